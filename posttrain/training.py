@@ -1,0 +1,95 @@
+"""What every training stage shares: the stage directory's life cycle, TRL config construction, resume, saving."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from posttrain import tracking
+from posttrain.artifacts import MANIFEST, now, sha256_json
+
+log = logging.getLogger("posttrain")
+INTENT = ".config_hash"  # written when a stage starts: checkpoints of another config are stale
+
+
+@dataclass
+class StageRun:
+    """Where one stage writes, what it came from and the hash that decides skip / resume."""
+
+    name: str
+    out_dir: Path
+    parent: Path | None
+    config: dict
+    config_hash: str
+    run_name: str
+    started_at: str = field(default_factory=now)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.out_dir / "model"
+
+
+def stage_hash(config: dict, parent_manifest_sha: str | None) -> str:
+    return sha256_json({"config": config, "parent": parent_manifest_sha})
+
+
+def begin(run: StageRun) -> None:
+    """Make the stage directory ready: an old manifest stops looking finished first; stale checkpoints go."""
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    (run.out_dir / MANIFEST).unlink(missing_ok=True)
+    intent = run.out_dir / INTENT
+    if intent.exists() and intent.read_text().strip() != run.config_hash:
+        log.info("%s: config or parent changed since the last attempt; discarding its checkpoints", run.name)
+        shutil.rmtree(run.checkpoints, ignore_errors=True)
+    shutil.rmtree(run.model_dir, ignore_errors=True)
+    intent.write_text(run.config_hash)
+
+
+def last_checkpoint(run: StageRun) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if not run.checkpoints.is_dir():
+        return None
+    return get_last_checkpoint(str(run.checkpoints))
+
+
+def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg):
+    """A TRL config from the recipe's trainer block (TRL's own field names) plus where to write and log."""
+    import trl
+
+    kwargs = OmegaConf.to_container(trainer_block, resolve=True) if not isinstance(trainer_block, dict) else dict(trainer_block)
+    kwargs.setdefault("output_dir", str(run.checkpoints))
+    kwargs["report_to"] = tracking.report_to(tracking_cfg)
+    kwargs.setdefault("run_name", f"{run.run_name}/{run.name}")
+    kwargs.setdefault("save_strategy", "steps")
+    return getattr(trl, class_name)(**kwargs)
+
+
+def train_metrics(trainer) -> dict:
+    """Loss at the first and last logging step, and the trainer's own summary."""
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "global_step": trainer.state.global_step,
+        "first_logged_loss": losses[0] if losses else None,
+        "last_logged_loss": losses[-1] if losses else None,
+        "log_history": [h for h in trainer.state.log_history if "loss" in h or "train_runtime" in h],
+    }
+
+
+def save_model(model, tokenizer, run: StageRun) -> None:
+    """Write model/ (safetensors, config, tokenizer with its chat template) for the artifact."""
+    model.save_pretrained(run.model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(run.model_dir)
+
+
+def drop_checkpoints(run: StageRun) -> None:
+    """Trainer checkpoints only serve resume; the finished artifact is model/."""
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
