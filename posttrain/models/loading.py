@@ -8,14 +8,19 @@ dequantized once through transformers' `gguf_file=` support and cached as safete
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
-from posttrain.artifacts import verify_artifact
+from posttrain.artifacts import sha256_file, verify_artifact
 
-CACHE_DIR = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+log = logging.getLogger("posttrain")
+GGUF_SOURCE = "gguf_source.json"  # written last into a cached copy: the GGUF it was made from (path, bytes, sha256)
+PARTIAL = ".partial"  # suffix of a copy still being written
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
 
@@ -44,29 +49,96 @@ def resolve_gguf(name_or_path: str, gguf_file: str) -> Path:
     return path
 
 
-def cached_gguf_copy(gguf_path: Path) -> Path:
-    """A safetensors copy of a GGUF model, made once; the directory appears only when complete (rename)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def cache_dir() -> Path:
+    """$POSTTRAIN_CACHE, read at call time so a test or a caller can point it elsewhere."""
+    return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
 
-    target = CACHE_DIR / "gguf" / gguf_path.stem
-    if (target / "config.json").exists():
+
+def cached_gguf_copy(gguf_path: Path) -> Path:
+    """A float32 safetensors copy of a GGUF model in <cache>/gguf/<stem>/, made once (~30 s); later loads read it.
+
+    The copy is written into a hidden sibling directory, flushed to disk and renamed into place, so a crash at any
+    point leaves either no <stem>/ or a complete one; a process that loses a race to another uses the winner's copy.
+    A <stem>/ without a matching GGUF_SOURCE (an older cache format, another file of the same name) is replaced.
+    """
+    target = cache_dir() / "gguf" / gguf_path.stem
+    if is_copy_of(target, gguf_path):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    remove_stale_partials(target)
+    log.info("gguf: converting %s to safetensors in %s (once)", gguf_path, target)
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=PARTIAL))
+    try:
+        save_dequantized(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        sync_tree(tmp)
+        if target.exists() and not is_copy_of(target, gguf_path):
+            log.info("gguf: replacing %s (an older cache format, or made from another file)", target)
+            shutil.rmtree(target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not is_copy_of(target, gguf_path):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first; its copy is as good
+        sync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("gguf: cached %s in %.1f s", target, time.perf_counter() - started)
+    return target
+
+
+def is_copy_of(target: Path, gguf_path: Path) -> bool:
+    """A finished copy records its source last; a size check catches a different file under the same name cheaply."""
+    try:
+        source = json.loads((target / GGUF_SOURCE).read_text())
+    except (OSError, ValueError):
+        return False
+    return source.get("bytes") == gguf_path.stat().st_size
+
+
+def save_dequantized(gguf_path: Path, out_dir: Path) -> None:
+    """Model (dequantized to float32) and tokenizer (with the chat template GGUF metadata carries) into out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # The weights are dequantized already; transformers refuses to save a model still marked as GGUF-quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    source = {"gguf": str(gguf_path), "bytes": gguf_path.stat().st_size, "sha256": sha256_file(gguf_path)}
+    (out_dir / GGUF_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
+
+
+def remove_stale_partials(target: Path) -> None:
+    """Partial copies a killed conversion left behind (a Python exception removes its own); a copy younger than an
+    hour may belong to a conversion still running in another process."""
+    for partial in target.parent.glob(f".{target.name}.*{PARTIAL}"):
+        if time.time() - partial.stat().st_mtime > 3600:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def sync_tree(directory: Path) -> None:
+    """fsync every file and the directory itself: a rename must not reach the disk before the data it names."""
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    sync_dir(directory)
+
+
+def sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def model_location(model_cfg, parent: Path | None) -> Path | str:

@@ -36,10 +36,12 @@ def load_rows(data_cfg) -> tuple[list[dict], dict]:
 
 def tokenize_rows(rows, tokenizer, source: str, max_length: int | None, template_kwargs: dict):
     """input_ids + assistant_masks per row, truncated to max_length; rows left with no assistant token are dropped."""
+    from tqdm.auto import tqdm
+
     from posttrain.chat.render import tokenize_with_assistant_mask
 
     ids, masks, dropped = [], [], 0
-    for i, row in enumerate(rows, start=1):
+    for i, row in enumerate(tqdm(rows, desc="render + mask", unit="row"), start=1):
         enc = tokenize_with_assistant_mask(tokenizer, row["messages"], row_id=f"{source} row {i}", **template_kwargs)
         row_ids, row_mask = enc["input_ids"][:max_length], enc["assistant_masks"][:max_length]
         if not any(row_mask):
@@ -71,9 +73,10 @@ def main(cfg, run: StageRun) -> dict:
     model = load_model(location, cfg.model, load_in_4bit=cfg.sft.qlora)
     peft_config = None
     if cfg.sft.lora is not None:
+        from omegaconf import OmegaConf
         from peft import LoraConfig
 
-        peft_config = LoraConfig(**dict(cfg.sft.lora))
+        peft_config = LoraConfig(**OmegaConf.to_container(cfg.sft.lora, resolve=True))
     elif cfg.sft.qlora:
         raise ValueError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
 

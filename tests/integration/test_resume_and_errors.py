@@ -1,0 +1,110 @@
+"""A killed stage resumes from its last checkpoint; bad input fails clearly and leaves no finished artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from posttrain.artifacts import verify_artifact
+from tests.helpers import popen, posttrain
+
+pytestmark = pytest.mark.slow
+CI = ("pipeline=tiny-ci", "pretrain.trainer.max_steps=4", "pretrain.trainer.save_steps=2")
+
+
+def test_sigkill_during_sft_then_rerun_resumes_from_last_checkpoint(tmp_path):
+    args = (*CI, f"run.root={tmp_path}", "run.name=k", "sft.trainer.max_steps=30", "sft.trainer.save_steps=4",
+            "eval.n_prompts=5")
+    ckpt_root = tmp_path / "k" / "01-sft" / "checkpoints"
+    proc = popen("run", *args, log=tmp_path / "first.log")
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = [p for p in ckpt_root.glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+            if done:
+                time.sleep(0.5)  # let the checkpoint finish its last file
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + (tmp_path / "first.log").read_text()[-2000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    sft_dir = tmp_path / "k" / "01-sft"
+    assert not (sft_dir / "manifest.json").exists(), "a killed stage must not look finished"
+    steps_at_kill = max(int(p.name.split("-")[1]) for p in ckpt_root.glob("checkpoint-*"))
+    pretrain_finished = json.loads((tmp_path / "k" / "00-pretrain" / "manifest.json").read_text())["finished_at"]
+
+    result = posttrain("run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pretrain: up to date" in result.stderr
+    assert "sft: resuming from" in result.stderr
+    manifest = verify_artifact(sft_dir)
+    resumed = int(manifest["resumed_from"].rsplit("-", 1)[1])
+    assert 4 <= resumed <= steps_at_kill + 4  # the last checkpoint on disk (one more may land while dying)
+    assert manifest["metrics"]["global_step"] == 30
+    first_step_logged = manifest["metrics"]["log_history"][0]
+    assert json.loads((tmp_path / "k" / "00-pretrain" / "manifest.json").read_text())["finished_at"] == pretrain_finished
+    assert first_step_logged  # the resumed trainer kept the earlier history from the checkpoint's state
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sft_dir / "model")
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    result = posttrain("stage=pretrain", *CI[1:], f"run.root={root}", "run.name=b", "data.pretrain_rows=200")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "b" / "00-pretrain"
+
+
+def test_tampered_parent_weights_are_named_and_nothing_is_finished(pretrained, tmp_path):
+    import shutil
+
+    parent = tmp_path / "00-pretrain"
+    shutil.copytree(pretrained, parent)
+    weights = parent / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    result = posttrain("stage=sft", f"parent={parent}", f"run.root={tmp_path}", "run.name=t", "sft.trainer.max_steps=2")
+    assert result.returncode == 2
+    assert f"{weights}: sha256" in result.stderr and "does not match" in result.stderr
+    assert not list(tmp_path.glob("t/*/manifest.json"))
+
+
+def test_bad_dataset_row_is_named_and_nothing_is_finished(pretrained, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"instruction": "Say hi", "context": "", "response": "hi", "category": "open_qa"}] * 3
+    rows.append({"instruction": "Say hi", "context": "", "response": 42, "category": "open_qa"})
+    bad.write_text("\n".join(json.dumps(r) for r in rows))
+    result = posttrain("stage=sft", f"parent={pretrained}", "data=dolly", f"data.path={bad}", f"run.root={tmp_path}",
+                       "run.name=d", "sft.trainer.max_steps=2")
+    assert result.returncode == 2
+    assert f"{bad}: row 4: field 'response' must be a string, got int" in result.stderr
+    assert not list(tmp_path.glob("d/*/manifest.json"))
+
+
+def test_misspelled_recipe_key_fails_before_anything_is_written(tmp_path):
+    result = posttrain("run", "pipeline=tiny-ci", f"run.root={tmp_path}", "run.name=m", "+sft.trainer.learnin_rate=1")
+    assert result.returncode == 2
+    assert "sft.trainer.learnin_rate" in result.stderr and "learning_rate" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_wandb_offline_run_files_land_in_the_run_directory(tmp_path):
+    result = posttrain("stage=pretrain", *CI[1:], "pretrain.trainer.max_steps=2", "data.pretrain_rows=100",
+                       "tracking=wandb", f"run.root={tmp_path}", "run.name=w", WANDB_API_KEY="", WANDB_MODE="")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "w").rglob("*"))[:20]
+    assert list(runs[0].glob("*.wandb"))

@@ -1,0 +1,75 @@
+"""The artifact contract: manifest written last and atomically, weight hashes verified on load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.artifacts import ArtifactError, read_manifest, verify_artifact, write_json_atomic, write_manifest
+
+
+def make_artifact(tmp_path, payload=b"weights-v1"):
+    stage_dir = tmp_path / "01-sft"
+    (stage_dir / "model").mkdir(parents=True)
+    (stage_dir / "model" / "model.safetensors").write_bytes(payload)
+    (stage_dir / "model" / "config.json").write_text("{}")
+    write_manifest(stage_dir, stage="sft", parent=None, config={"a": 1}, config_hash="h", datasets=[],
+                   metrics={"loss": 1.0}, started_at="t0")
+    return stage_dir
+
+
+def test_manifest_records_every_weight_file_and_provenance(tmp_path):
+    stage_dir = make_artifact(tmp_path)
+    manifest = verify_artifact(stage_dir)
+    assert list(manifest["weights"]) == ["model/model.safetensors"]
+    for key in ("stage", "parent", "config", "config_hash", "datasets", "metrics", "packages", "git_revision",
+                "started_at", "finished_at"):
+        assert key in manifest
+    assert manifest["packages"]["torch"] != "not installed"
+
+
+def test_tampered_weight_file_is_named(tmp_path):
+    stage_dir = make_artifact(tmp_path)
+    (stage_dir / "model" / "model.safetensors").write_bytes(b"weights-v2")
+    with pytest.raises(ArtifactError, match=r"model\.safetensors.*does not match"):
+        verify_artifact(stage_dir)
+
+
+def test_missing_and_unlisted_weight_files_are_named(tmp_path):
+    stage_dir = make_artifact(tmp_path)
+    (stage_dir / "model" / "extra.safetensors").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match=r"extra\.safetensors.*not listed"):
+        verify_artifact(stage_dir)
+    (stage_dir / "model" / "extra.safetensors").unlink()
+    (stage_dir / "model" / "model.safetensors").unlink()
+    with pytest.raises(ArtifactError, match=r"model\.safetensors.*missing"):
+        verify_artifact(stage_dir)
+
+
+def test_directory_without_manifest_is_not_an_artifact(tmp_path):
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ArtifactError, match="not a finished artifact"):
+        verify_artifact(tmp_path)
+
+
+def test_no_weights_means_no_manifest(tmp_path):
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ArtifactError, match="no weight files"):
+        write_manifest(tmp_path, stage="sft", parent=None, config={}, config_hash="h", datasets=[], metrics={},
+                       started_at="t0")
+    assert read_manifest(tmp_path) is None
+
+
+def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
+    path = tmp_path / "manifest.json"
+    write_json_atomic(path, {"ok": 1})
+
+    class Unserialisable:
+        def __repr__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_json_atomic(path, {"bad": Unserialisable()})
+    assert json.loads(path.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temp file left behind

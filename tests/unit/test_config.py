@@ -1,0 +1,68 @@
+"""Recipe composition and validation: misspelled keys fail with the key, the file and the valid keys."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from posttrain import config as config_mod
+from posttrain.config import RecipeError, compose
+
+
+def test_tiny_pipeline_composes_with_trl_field_names():
+    cfg = compose(["pipeline=tiny"])
+    assert list(cfg.pipeline.stages) == ["pretrain", "sft"]
+    fields = set(config_mod.trl_fields("SFTConfig"))
+    assert set(cfg.sft.trainer) <= fields and set(cfg.pretrain.trainer) <= fields
+
+
+def test_model_override_with_a_path_becomes_hf(tmp_path):
+    cfg = compose([f"model={tmp_path}"])
+    assert cfg.model.source == "hf" and cfg.model.name_or_path == str(tmp_path)
+
+
+@pytest.fixture
+def recipe_copy(tmp_path, monkeypatch):
+    root = tmp_path / "recipes"
+    shutil.copytree(config_mod.RECIPES_DIR, root)
+    monkeypatch.setattr(config_mod, "RECIPES_DIR", root)
+    return root
+
+
+@pytest.mark.parametrize(
+    "file, old, new, key, hint",
+    [
+        ("sft/tiny.yaml", "  learning_rate:", "  learnin_rate:", "sft.trainer.learnin_rate", "learning_rate"),
+        ("model/tiny.yaml", "  hidden_size:", "  hiden_size:", "model.arch.hiden_size", "hidden_size"),
+        ("eval/tiny.yaml", "n_prompts:", "n_prompt:", "eval.n_prompt", "n_prompts"),
+        ("pipeline/tiny.yaml", "  stages:", "  stage:", "pipeline.stage", "stages"),
+    ],
+)
+def test_misspelled_key_names_key_file_and_valid_keys(recipe_copy, file, old, new, key, hint):
+    path = recipe_copy / file
+    path.write_text(path.read_text().replace(old, new, 1))
+    with pytest.raises(RecipeError) as err:
+        compose(["pipeline=tiny"])
+    message = str(err.value)
+    assert f"'{key}'" in message
+    assert str(path) in message
+    assert f"'{hint}'" in message  # the close match
+    assert "Valid keys here:" in message and hint in message.split("Valid keys here:")[1]
+
+
+def test_misspelled_lora_key_is_checked_against_peft(recipe_copy):
+    path = recipe_copy / "sft/lora.yaml"
+    path.write_text(path.read_text().replace("lora_alpha:", "lora_alfa:"))
+    with pytest.raises(RecipeError, match=r"sft\.lora\.lora_alfa.*sft/lora\.yaml"):
+        compose(["sft=lora"])
+
+
+def test_wrong_type_is_rejected_with_the_key():
+    with pytest.raises(RecipeError, match="eval.n_prompts"):
+        compose(["eval.n_prompts=many"])
+
+
+def test_misspelled_override_is_rejected():
+    with pytest.raises(RecipeError, match="learnin_rate"):
+        compose(["sft.trainer.learnin_rate=0.1"])
