@@ -48,7 +48,7 @@ class DataCfg:
     split: str = "train"
     limit: int | None = None
     seed: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: {"echo": 3000, "arith": 1000, "qa": 1000})
+    counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
     pretrain_rows: int = 6000
     arith_slip_rate: float = 0.0
 

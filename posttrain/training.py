@@ -54,11 +54,29 @@ def begin(run: StageRun) -> None:
 
 
 def last_checkpoint(run: StageRun) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
+    """The newest *complete* trainer checkpoint, or None.
+
+    transformers writes trainer_state.json last in a checkpoint, so a checkpoint without a readable one was cut
+    short by a kill; its own `get_last_checkpoint` would pick it by number alone and resume would crash.
+    """
+    import json
+    import re
 
     if not run.checkpoints.is_dir():
         return None
-    return get_last_checkpoint(str(run.checkpoints))
+    numbered = []
+    for path in run.checkpoints.iterdir():
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and path.is_dir():
+            numbered.append((int(match.group(1)), path))
+    for _, path in sorted(numbered, reverse=True):
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            log.info("%s: ignoring incomplete checkpoint %s", run.name, path)
+            continue
+        return str(path)
+    return None
 
 
 def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg):

@@ -186,16 +186,16 @@ def make_plain_text(rng: random.Random) -> str:
     parts = []
     for _ in range(rng.randint(2, 4)):
         kind = rng.random()
-        if kind < 0.3:
+        if kind < 0.5:
             # Repeated phrases: real text repeats itself, and a base that has seen repeats has the attention
             # pattern (look back, copy what followed) that instruction tuning later points at the echo task.
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
             first, second = rng.choice(FIRST_NAMES), rng.choice(FIRST_NAMES)
             parts.append(f"{first} wrote {words}, and {second} wrote {words} too.")
-        elif kind < 0.55:
+        elif kind < 0.7:
             p = make_person(rng)
             parts.append("{name} was born in {city} in {year} and works as a {job}.".format(**p))
-        elif kind < 0.7:
+        elif kind < 0.8:
             a, b = rng.randint(10, 99), rng.randint(2, 9)
             parts.append(f"{a} times {b} is {a * b}, and {a} plus {b} is {a + b}.")
         else:

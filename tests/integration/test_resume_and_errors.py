@@ -38,7 +38,8 @@ def test_sigkill_during_sft_then_rerun_resumes_from_last_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     sft_dir = tmp_path / "k" / "01-sft"
     assert not (sft_dir / "manifest.json").exists(), "a killed stage must not look finished"
-    steps_at_kill = max(int(p.name.split("-")[1]) for p in ckpt_root.glob("checkpoint-*"))
+    complete = [p for p in ckpt_root.glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+    steps_at_kill = max(int(p.name.split("-")[1]) for p in complete)
     pretrain_finished = json.loads((tmp_path / "k" / "00-pretrain" / "manifest.json").read_text())["finished_at"]
 
     result = posttrain("run", *args)
@@ -47,11 +48,9 @@ def test_sigkill_during_sft_then_rerun_resumes_from_last_checkpoint(tmp_path):
     assert "sft: resuming from" in result.stderr
     manifest = verify_artifact(sft_dir)
     resumed = int(manifest["resumed_from"].rsplit("-", 1)[1])
-    assert 4 <= resumed <= steps_at_kill + 4  # the last checkpoint on disk (one more may land while dying)
+    assert resumed == steps_at_kill  # the newest complete checkpoint left by the killed run
     assert manifest["metrics"]["global_step"] == 30
-    first_step_logged = manifest["metrics"]["log_history"][0]
     assert json.loads((tmp_path / "k" / "00-pretrain" / "manifest.json").read_text())["finished_at"] == pretrain_finished
-    assert first_step_logged  # the resumed trainer kept the earlier history from the checkpoint's state
 
     from transformers import AutoModelForCausalLM
 

@@ -73,3 +73,16 @@ def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
         write_json_atomic(path, {"bad": Unserialisable()})
     assert json.loads(path.read_text()) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temp file left behind
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    from posttrain.training import StageRun, last_checkpoint
+
+    run = StageRun(name="sft", out_dir=tmp_path, parent=None, config={}, config_hash="h", run_name="r")
+    assert last_checkpoint(run) is None
+    for step, state in ((4, "{}"), (8, "{}"), (12, None), (16, '{"trunc')):
+        ckpt = tmp_path / "checkpoints" / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        if state is not None:
+            (ckpt / "trainer_state.json").write_text(state)
+    assert last_checkpoint(run) == str(tmp_path / "checkpoints" / "checkpoint-8")
