@@ -82,8 +82,10 @@ def take_split(
 
 
 # --- echo / follow -------------------------------------------------------------------------------------------------
-def make_echo(rng: random.Random) -> dict:
-    msg = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
+def make_echo(rng: random.Random, min_words: int = 1, max_words: int = 7) -> dict:
+    """One echo row. Training keeps 1- and 2-word messages: they teach where the message starts before the model
+    has to copy a long one (the held-out suite asks for 3-7 words)."""
+    msg = " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
     instruction = rng.choice(ECHO_INSTRUCTIONS).format(msg=msg)
     return {
         "prompt_key": msg,  # held-out messages never appear in training, under any instruction wording

@@ -23,7 +23,7 @@ class Suite:
 def echo_suite(n: int, seed: int) -> Suite:
     from posttrain.data.tiny_world import make_echo, take_split
 
-    rows = take_split(make_echo, n, "test", seed, "echo")
+    rows = take_split(lambda rng: make_echo(rng, min_words=3), n, "test", seed, "echo")
     rows = [dict(r, messages=r["messages"][:-1]) for r in rows]  # drop the reference answer from the prompt
     return Suite("echo", rows, REWARDS["echo_exact_match"], ("message",))
 
