@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return render_main(argv[2:])
 
     from posttrain.artifacts import ArtifactError
+    from posttrain.chat.render import MaskError
     from posttrain.config import RecipeError, compose
     from posttrain.data.dolly import DataError
     from posttrain.pipeline import run_pipeline, run_single_stage
@@ -35,13 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in (None, "run"):
         print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
-    known = (RecipeError, ArtifactError, DataError, FileNotFoundError)
-    try:
-        from posttrain.chat.render import MaskError
-
-        known += (MaskError,)
-    except ImportError:
-        pass
+    known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError)
     try:
         cfg = compose(overrides)
         if command == "run":

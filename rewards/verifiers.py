@@ -48,7 +48,8 @@ def extract_answer(completion: str) -> str | None:
     """
     text = final_answer_text(completion)
     if "####" in text:
-        return text.split("####")[-1].strip().splitlines()[0].strip() if text.split("####")[-1].strip() else None
+        tail = text.split("####")[-1].strip()
+        return tail.splitlines()[0].strip() if tail else None
     boxed = boxed_content(text)
     if boxed is not None:
         return boxed.strip()

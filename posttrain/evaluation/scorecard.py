@@ -33,12 +33,13 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg) -> dict:
     for suite in suites:
         completions = greedy_generate(model, tokenizer, [r["messages"] for r in suite.rows], eval_cfg.max_new_tokens,
                                       eval_cfg.batch_size, desc=f"{label}/{suite.name}")
-        scores = [s for s in suite.score(completions) if s is not None]
-        row[suite.name] = sum(scores) / len(scores)
-        row[f"{suite.name}_n"] = len(scores)
+        scores = suite.score(completions)
+        applicable = [s for s in scores if s is not None]
+        row[suite.name] = sum(applicable) / len(applicable)
+        row[f"{suite.name}_n"] = len(applicable)
         row[f"{suite.name}_examples"] = [
             {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
-            for r, c, s in list(zip(suite.rows, completions, suite.score(completions)))[:3]
+            for r, c, s in list(zip(suite.rows, completions, scores))[:3]
         ]
     return row
 
