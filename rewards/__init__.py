@@ -4,13 +4,15 @@ Dataset columns arrive as keyword arguments; `None` means "not applicable to thi
 choose rewards by name through REWARDS, the one explicit name -> function table.
 """
 
+from rewards.code_verifier import code_verifier
 from rewards.echo import echo_exact_match
 from rewards.verifiers import math_verifier, think_format
 
 REWARDS = {
+    "code_verifier": code_verifier,
     "echo_exact_match": echo_exact_match,
     "math_verifier": math_verifier,
     "think_format": think_format,
 }
 
-__all__ = ["REWARDS", "echo_exact_match", "math_verifier", "think_format"]
+__all__ = ["REWARDS", "code_verifier", "echo_exact_match", "math_verifier", "think_format"]
