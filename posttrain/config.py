@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from posttrain.models.tiny import TinyArch
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
-GROUPS = ("model", "data", "pretrain", "sft", "eval", "tracking", "pipeline")
+GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "eval", "tracking", "pipeline")
 
 
 class RecipeError(ValueError):
@@ -62,11 +62,43 @@ class StageCfg:
 
 
 @dataclass
+class PairsCfg:
+    source: str = "tiny"  # tiny (the tiny world's preference pairs) | pku_saferlhf (a local JSONL/Parquet or hub id)
+    path: str | None = None
+    hub_id: str | None = None
+    split: str = "train"
+    preference: str = "safer"  # PKU-SafeRLHF: chosen = safer_response_id (safer) or better_response_id (better)
+    n_train: int | None = 2000  # pairs to train on (null: every row the source has; the tiny world needs a number)
+    n_eval: int = 200  # held-out pairs scored into the manifest
+
+
+@dataclass
+class RewardModelCfg(StageCfg):
+    pairs: PairsCfg = field(default_factory=PairsCfg)
+
+
+@dataclass
+class PromptsCfg:
+    source: str = "tiny_arith"  # tiny_arith | gsm8k (a local JSONL with question / answer columns)
+    path: str | None = None
+    n: int | None = None  # prompts to train on; null = all
+
+
+@dataclass
+class GrpoCfg(StageCfg):
+    prompts: PromptsCfg = field(default_factory=PromptsCfg)
+    rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
+    reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
+
+
+@dataclass
 class EvalCfg:
     suites: list[str] = field(default_factory=lambda: ["echo"])
-    n_prompts: int = 100
-    max_new_tokens: int = 32
-    batch_size: int = 50
+    n_prompts: dict[str, int] = field(default_factory=lambda: {"echo": 100, "arith": 200})  # held-out prompts, per suite
+    max_new_tokens: int | None = None  # null: each suite's own cap
+    batch_size: int = 50  # sequences per generate call (prompts x samples)
+    samples: int = 4  # replies sampled per prompt for pass@1, in suites that sample
+    temperature: float = 1.0
 
 
 @dataclass
@@ -96,6 +128,8 @@ class RootCfg:
     data: DataCfg = field(default_factory=DataCfg)
     pretrain: StageCfg = field(default_factory=StageCfg)
     sft: StageCfg = field(default_factory=StageCfg)
+    reward_model: RewardModelCfg = field(default_factory=RewardModelCfg)
+    grpo: GrpoCfg = field(default_factory=GrpoCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
@@ -105,7 +139,7 @@ class RootCfg:
     seed: int = 0
 
 
-TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig"}
+TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig"}
 
 
 # --- composition -----------------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 A stage whose manifest matches its config hash and parent is skipped (after checking its weights); a stage that
 was killed resumes from its last trainer checkpoint; a stage whose config or parent changed runs again.
+
+Stages that do not produce a generator (the reward model) do not become the next stage's parent: the chain
+base -> sft -> reward_model -> grpo trains GRPO on the SFT model and hands it the reward model as an input.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ log = logging.getLogger("posttrain")
 
 
 def stage_mains():
-    from posttrain.stages import pretrain, sft
+    from posttrain.stages import grpo, pretrain, reward_model, sft
 
-    return {"pretrain": pretrain.main, "sft": sft.main}
+    return {"pretrain": pretrain.main, "sft": sft.main, "reward_model": reward_model.main, "grpo": grpo.main}
+
+
+SIDE_STAGES = {"reward_model"}  # artifacts later stages read as inputs, not as their parent
 
 
 def run_dir_of(cfg) -> tuple[Path, str]:
@@ -31,20 +37,24 @@ def run_dir_of(cfg) -> tuple[Path, str]:
     return Path(cfg.run.root) / name, name
 
 
-def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str) -> Path:
+def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
+              inputs: dict[str, Path] | None = None) -> Path:
     mains = stage_mains()
     if name not in mains:
         raise ValueError(f"unknown stage '{name}'; valid stages: {', '.join(mains)}")
     out_dir = run_dir / f"{index:02d}-{name}"
     config = stage_view(cfg, name)
-    digest = stage_hash(config, manifest_sha256(parent) if parent else None)
+    inputs = dict(inputs or {})
+    digest = stage_hash(config, manifest_sha256(parent) if parent else None,
+                        {k: manifest_sha256(v) for k, v in inputs.items()})
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("config_hash") == digest:
         verify_artifact(out_dir)
         log.info("%s: up to date (%s), skipped", name, out_dir)
         return out_dir
     tracking.configure(cfg.tracking, run_dir, run_name, name)
-    run = StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name)
+    run = StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name,
+                   inputs=inputs)
     log.info("%s: running -> %s", name, out_dir)
     started = time.perf_counter()
     try:
@@ -73,10 +83,14 @@ def run_pipeline(cfg) -> Path:
     log.info("pipeline %s: stages %s -> %s", cfg.pipeline.name, list(cfg.pipeline.stages), run_dir)
     started = time.perf_counter()
     parent = Path(cfg.parent) if cfg.parent else None
-    stage_dirs = []
+    stage_dirs, inputs = [], {}
     for index, name in enumerate(cfg.pipeline.stages):
-        parent = run_stage(cfg, name, index, parent, run_dir, run_name)
-        stage_dirs.append(parent)
+        out = run_stage(cfg, name, index, parent, run_dir, run_name, inputs)
+        stage_dirs.append(out)
+        if name in SIDE_STAGES:
+            inputs[name] = out
+        else:
+            parent = out
     if cfg.pipeline.evaluate:
         card = write_scorecard(run_dir, stage_dirs, cfg.eval, cfg.seed)
         print("\n" + render_markdown(card))

@@ -26,6 +26,7 @@ class StageRun:
     config: dict
     config_hash: str
     run_name: str
+    inputs: dict[str, Path] = field(default_factory=dict)  # other artifacts the stage reads (grpo: reward_model)
     started_at: str = field(default_factory=now)
 
     @property
@@ -37,7 +38,9 @@ class StageRun:
         return self.out_dir / "model"
 
 
-def stage_hash(config: dict, parent_manifest_sha: str | None) -> str:
+def stage_hash(config: dict, parent_manifest_sha: str | None, inputs: dict[str, str] | None = None) -> str:
+    if inputs:
+        return sha256_json({"config": config, "parent": parent_manifest_sha, "inputs": inputs})
     return sha256_json({"config": config, "parent": parent_manifest_sha})
 
 

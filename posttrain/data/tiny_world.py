@@ -96,50 +96,41 @@ def make_echo(rng: random.Random, min_words: int = 1, max_words: int = 7) -> dic
 
 
 # --- arithmetic with worked steps ----------------------------------------------------------------------------------
-def worked_product(a: int, b: int, rng: random.Random, slip_rate: float) -> tuple[str, int]:
-    """Worked steps for a * b by splitting b into tens and units; with probability `slip_rate` one partial slips.
+def worked_chain(numbers: list[int], rng: random.Random, slip_rate: float) -> tuple[str, int]:
+    """Worked steps for a chain of additions, one running sum per line; returns (steps, final answer shown).
 
-    Returns (steps, final answer). A slip is an off-by-ten or off-by-a-few error in one partial product that is
-    carried to the end, the way a hurried human demonstration goes wrong (17 x 24 -> 340 + 48 = 388).
+    With probability `slip_rate` one running sum is off by one and the slip is carried to the end, the way a
+    hurried human demonstration goes wrong (3 plus 4 plus 8: 3 plus 4 = 7, 7 plus 8 = 14, answer 14).
     """
-    tens, units = (b // 10) * 10, b % 10
-    p1, p2 = a * tens, a * units
-    if rng.random() < slip_rate:
-        if rng.random() < 0.5:
-            p2 += rng.choice([-20, -10, 10, 20])
-        else:
-            p1 += rng.choice([-10, 10, -100, 100])
-    total = p1 + p2
-    steps = f"{a} times {b} = {a} times {tens} + {a} times {units} = {p1} + {p2} = {total}"
-    return steps, total
-
-
-def worked_sum(a: int, b: int, rng: random.Random, slip_rate: float) -> tuple[str, int]:
-    tens_a, tens_b = (a // 10) * 10, (b // 10) * 10
-    t, u = tens_a + tens_b, a % 10 + b % 10
-    if rng.random() < slip_rate:
-        u += rng.choice([-10, 10, -1, 1])
-    total = t + u
-    steps = f"{a} plus {b} = {tens_a} + {tens_b} + {a % 10} + {b % 10} = {t} + {u} = {total}"
-    return steps, total
+    slip_at = rng.randrange(1, len(numbers)) if rng.random() < slip_rate else None
+    total, lines = numbers[0], []
+    for i, n in enumerate(numbers[1:], start=1):
+        before, total = total, total + n
+        if i == slip_at:
+            total += 1 if total == 0 or rng.random() < 0.5 else -1
+        lines.append(f"{before} plus {n} = {total}")
+    return "\n".join(lines), total
 
 
 def make_arith(slip_rate: float = 0.0) -> Callable[[random.Random], dict]:
+    """Arithmetic rows: "What is 3 plus 4 plus 8?" (three or four one-digit numbers), a running sum per line inside
+    <think>, then the answer.
+
+    `answer` is always the correct result; `slipped` marks a demonstration whose shown answer is wrong.
+    """
+
     def make(rng: random.Random) -> dict:
-        if rng.random() < 0.5:
-            a, b = rng.randint(11, 99), rng.randint(11, 99)
-            question, (steps, shown), gold = f"What is {a} times {b}?", worked_product(a, b, rng, slip_rate), a * b
-        else:
-            a, b = rng.randint(10, 999), rng.randint(10, 999)
-            question, (steps, shown), gold = f"What is {a} plus {b}?", worked_sum(a, b, rng, slip_rate), a + b
+        numbers = [rng.randint(1, 9) for _ in range(rng.choice((3, 4)))]
+        question = "What is " + " plus ".join(map(str, numbers)) + "?"
+        steps, shown = worked_chain(numbers, rng, slip_rate)
         return {
             "prompt_key": question,
             "messages": [
                 {"role": "user", "content": question},
                 {"role": "assistant", "reasoning_content": steps, "content": f"The answer is {shown}."},
             ],
-            "answer": str(gold),
-            "slipped": shown != gold,
+            "answer": str(sum(numbers)),
+            "slipped": shown != sum(numbers),
             "family": "arith",
         }
 
@@ -170,16 +161,71 @@ def make_qa(rng: random.Random) -> dict:
     context = (
         "{name} was born in {city} in {year}. {name} works as a {job} and spends free time on {hobby}.".format(**person)
     )
-    question, answer, category = rng.choice(QA_TEMPLATES)
+    template = rng.randrange(len(QA_TEMPLATES))
+    question, answer, category = QA_TEMPLATES[template]
     instruction, response = question.format(**person), answer.format(**person)
     return {
         "prompt_key": f"{instruction}|{context}",
+        "person": person,
+        "template": template,
         "instruction": instruction,
         "context": context,
         "response": response,
         "category": category,
         "family": "qa",
     }
+
+
+# --- preference pairs for the reward model ------------------------------------------------------------------------
+def make_pair(rng: random.Random) -> dict:
+    """One preference pair: a prompt, the reference reply (chosen) and a worse reply (rejected).
+
+    Rejected replies fail in ways a reader sees: an echo that copies the wrong words or stops early, arithmetic
+    whose final answer contradicts its own steps or comes with no working, an answer about the wrong fact.
+    """
+    kind = rng.choice(("echo", "arith", "qa"))
+    if kind == "echo":
+        row = make_echo(rng, min_words=2)
+        words = row["message"].split()
+        how = rng.random()
+        if how < 0.4:
+            bad = " ".join(rng.choice(WORDS) for _ in words)
+        elif how < 0.7:
+            bad = " ".join(words[: rng.randint(1, len(words) - 1)])
+        else:
+            i = rng.randrange(len(words))
+            bad = " ".join(w if j != i else rng.choice([x for x in WORDS if x != w]) for j, w in enumerate(words))
+        prompt, chosen, rejected = row["messages"][:1], row["messages"][1], {"role": "assistant", "content": bad}
+        key = row["prompt_key"]
+    elif kind == "arith":
+        row = make_arith(0.0)(rng)
+        prompt, chosen, key = row["messages"][:1], row["messages"][1], row["prompt_key"]
+        gold = int(row["answer"])
+        wrong = gold + rng.choice([-10, -1, 1, 10, 100])
+        if rng.random() < 0.5:
+            rejected = dict(chosen, content=f"The answer is {wrong}.")
+        else:
+            rejected = {"role": "assistant", "content": f"The answer is {wrong}."}
+    else:
+        row = make_qa(rng)
+        messages = qa_messages(row)
+        if rng.random() < 0.5:  # the asked fact, wrong: not what the context says
+            wrong = dict(make_person(rng), name=row["person"]["name"])
+            bad = QA_TEMPLATES[row["template"]][1].format(**wrong)
+        else:  # the answer to another question
+            other = rng.choice([i for i in range(len(QA_TEMPLATES)) if i != row["template"]])
+            bad = QA_TEMPLATES[other][1].format(**row["person"])
+        if bad == row["response"]:
+            bad = "I do not know."
+        prompt, chosen, rejected = messages[:1], messages[1], {"role": "assistant", "content": bad}
+        key = row["prompt_key"]
+    return {"prompt_key": key, "prompt": prompt, "chosen": [chosen], "rejected": [rejected], "family": kind}
+
+
+def preference_pairs(split: str, n: int, seed: int) -> list[dict]:
+    """`n` preference pairs (conversational prompt / chosen / rejected) of one split, no prompt in both splits."""
+    rows = take_split(make_pair, n, split, seed, "pairs")
+    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "family")} for r in rows]
 
 
 # --- plain text for the pretraining bootstrap ----------------------------------------------------------------------

@@ -1,23 +1,36 @@
-"""Score every checkpoint of a run on the same suites and write `scorecard.json` and `scorecard.md`."""
+"""Score every checkpoint of a run on the same suites and write `scorecard.json` and `scorecard.md`.
+
+Each suite gives a greedy score per checkpoint; a suite that samples (arith) also gives pass@1, the mean score of
+`eval.samples` replies per prompt drawn at `eval.temperature`. Stages whose artifact is not a generator (the reward
+model) have no row.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from posttrain.artifacts import now, verify_artifact, weight_files, write_json_atomic
-from posttrain.evaluation.generate import greedy_generate
+from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
+from posttrain.evaluation.generate import generate
 from posttrain.evaluation.suites import build_suite
 
 log = logging.getLogger("posttrain")
 ROW_LABELS = {"pretrain": "base"}  # the tiny world's pretrain artifact is the base model
+NOT_GENERATORS = {"reward_model"}
 
 
 def checkpoint_label(stage: str) -> str:
     return ROW_LABELS.get(stage, stage)
 
 
-def score_checkpoint(stage_dir: Path, suites, eval_cfg) -> dict:
+def mean(scores: list[float | None]) -> tuple[float, int]:
+    applicable = [s for s in scores if s is not None]
+    if not applicable:
+        raise ValueError("no prompt of the suite was scorable")
+    return sum(applicable) / len(applicable), len(applicable)
+
+
+def score_checkpoint(stage_dir: Path, suites, eval_cfg, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     manifest = verify_artifact(stage_dir)
@@ -31,22 +44,37 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg) -> dict:
         "size_mb": round(sum(p.stat().st_size for p in weight_files(stage_dir / "model")) / 2**20, 2),
     }
     for suite in suites:
-        completions = greedy_generate(model, tokenizer, [r["messages"] for r in suite.rows], eval_cfg.max_new_tokens,
-                                      eval_cfg.batch_size, desc=f"{label}/{suite.name}")
+        prompts = [r["messages"] for r in suite.rows]
+        max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
+        completions = generate(model, tokenizer, prompts, max_new, eval_cfg.batch_size, desc=f"{label}/{suite.name}")
         scores = suite.score(completions)
-        applicable = [s for s in scores if s is not None]
-        row[suite.name] = sum(applicable) / len(applicable)
-        row[f"{suite.name}_n"] = len(applicable)
+        row[suite.name], row[f"{suite.name}_n"] = mean(scores)
         row[f"{suite.name}_examples"] = [
             {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
             for r, c, s in list(zip(suite.rows, completions, scores))[:3]
         ]
+        if suite.samples:
+            sampled = generate(model, tokenizer, prompts, max_new, eval_cfg.batch_size, samples=suite.samples,
+                               temperature=suite.temperature, seed=seed, desc=f"{label}/{suite.name} sampled")
+            row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
+            row[f"{suite.name}_samples"] = suite.samples
+            row[f"{suite.name}_temperature"] = suite.temperature
     return row
 
 
 def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) -> dict:
-    suites = [build_suite(name, eval_cfg.n_prompts, seed) for name in eval_cfg.suites]
-    rows = [score_checkpoint(d, suites, eval_cfg) for d in stage_dirs]
+    suites = []
+    for name in eval_cfg.suites:
+        if name not in eval_cfg.n_prompts:
+            raise ValueError(f"eval.n_prompts has no entry for suite '{name}' (has {sorted(eval_cfg.n_prompts)})")
+        kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature} if name == "arith" else {}
+        suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
+    rows = []
+    for stage_dir in stage_dirs:
+        manifest = read_manifest(stage_dir) or {}
+        if manifest.get("stage") in NOT_GENERATORS:
+            continue
+        rows.append(score_checkpoint(stage_dir, suites, eval_cfg, seed))
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "written_at": now()}
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
@@ -57,10 +85,21 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) 
 
 
 def render_markdown(card: dict) -> str:
-    suites = card["suites"]
-    head = ["checkpoint"] + [f"{s} (n)" for s in suites] + ["size MB"]
+    """One row per checkpoint: each suite's greedy score (n prompts), and pass@1 where the suite samples."""
+    rows = card["rows"]
+    columns: list[tuple[str, str]] = []  # (header, key)
+    for s in card["suites"]:
+        sampled = rows and f"{s}_pass@1" in rows[0]
+        columns.append((f"{s} greedy (n)" if sampled else f"{s} (n)", s))
+        if sampled:
+            columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
+    head = ["checkpoint"] + [h for h, _ in columns] + ["size MB"]
     lines = [f"# Scorecard: run {card['run']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in card["rows"]:
-        cells = [row["checkpoint"]] + [f"{row[s]:.3f} ({row[f'{s}_n']})" for s in suites] + [f"{row['size_mb']:.1f}"]
+    for row in rows:
+        cells = [row["checkpoint"]]
+        for _, key in columns:
+            n = row.get(f"{key}_n")
+            cells.append(f"{row[key]:.3f}" + (f" ({n})" if n is not None else ""))
+        cells.append(f"{row['size_mb']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

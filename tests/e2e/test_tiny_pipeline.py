@@ -23,10 +23,14 @@ def tiny_run(tmp_path_factory):
     return root / "ci", result
 
 
+STAGES = ("00-pretrain", "01-sft", "02-reward_model", "03-grpo")
+
+
 def test_every_stage_wrote_a_complete_manifest(tiny_run):
     run_dir, _ = tiny_run
     pretrain, sft = run_dir / "00-pretrain", run_dir / "01-sft"
-    for stage_dir, stage in ((pretrain, "pretrain"), (sft, "sft")):
+    for stage_dir in (run_dir / d for d in STAGES):
+        stage = stage_dir.name[3:]
         manifest = verify_artifact(stage_dir)
         assert MANIFEST_KEYS <= set(manifest)
         assert manifest["stage"] == stage
@@ -39,16 +43,74 @@ def test_every_stage_wrote_a_complete_manifest(tiny_run):
     assert 0 < sft_manifest["metrics"]["assistant_token_fraction"] < 1
 
 
-def test_scorecard_has_base_and_sft_rows(tiny_run):
+def test_grpo_trains_on_the_sft_model_with_the_reward_model_as_input(tiny_run):
+    run_dir, _ = tiny_run
+    grpo = json.loads((run_dir / "03-grpo" / "manifest.json").read_text())
+    assert grpo["parent"]["manifest_sha256"] == manifest_sha256(run_dir / "01-sft")  # not the reward model
+    assert grpo["reward_model"] == str(run_dir / "02-reward_model")
+    rm = json.loads((run_dir / "02-reward_model" / "manifest.json").read_text())
+    assert rm["metrics"]["held_out_pairs"] == 40 and 0 <= rm["metrics"]["pairwise_accuracy"] <= 1
+    assert set(rm["metrics"]["pairwise_accuracy_by_family"]) == {"echo", "arith", "qa"}
+
+
+def test_grpo_logged_every_completion_with_each_reward(tiny_run):
+    run_dir, _ = tiny_run
+    rows = [json.loads(line) for line in (run_dir / "03-grpo" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 16  # 4 steps x 16 completions
+    assert {r["step"] for r in rows} == {0, 1, 2, 3}
+    for r in rows:
+        assert set(r["rewards"]) == {"math_verifier", "think_format", "reward_model"}
+        assert r["rewards"]["math_verifier"] in (0.0, 1.0) and r["rewards"]["think_format"] in (0.0, 1.0)
+        expected = r["rewards"]["math_verifier"] + 0.1 * r["rewards"]["think_format"] + 0.1 * r["rewards"]["reward_model"]
+        assert abs(r["reward"] - expected) < 1e-6
+    curve = json.loads((run_dir / "03-grpo" / "manifest.json").read_text())["metrics"]["reward_curve"]
+    assert [c["step"] for c in curve] == [2, 4]
+    assert all("rewards/math_verifier/mean" in c for c in curve)
+
+
+def test_grpo_made_high_advantage_completions_more_likely(tiny_run):
+    """The policy-gradient effect itself: completions of the first batch that got a positive advantage gained
+    log-probability relative to those that got a negative one, between the SFT and the GRPO weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, _ = tiny_run
+    rows = [json.loads(line) for line in (run_dir / "03-grpo" / "completions.jsonl").read_text().splitlines()]
+    first = [r for r in rows if r["step"] == 0 and abs(r["advantage"]) > 1e-3]
+    assert any(r["advantage"] > 0 for r in first) and any(r["advantage"] < 0 for r in first)
+    tok = AutoTokenizer.from_pretrained(run_dir / "01-sft" / "model")
+
+    def logprob(model, row):
+        prompt = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                         add_generation_prompt=True)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        c_ids = tok(row["completion"], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p_ids + c_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p_ids) - 1 : -1]
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(c_ids)[:, None]).sum().item()
+
+    sft = AutoModelForCausalLM.from_pretrained(run_dir / "01-sft" / "model").eval()
+    grpo = AutoModelForCausalLM.from_pretrained(run_dir / "03-grpo" / "model").eval()
+    delta = {id(r): logprob(grpo, r) - logprob(sft, r) for r in first}
+    up = [delta[id(r)] for r in first if r["advantage"] > 0]
+    down = [delta[id(r)] for r in first if r["advantage"] < 0]
+    assert sum(up) / len(up) > sum(down) / len(down), (up, down)
+
+
+def test_scorecard_has_a_row_per_generator_with_echo_and_arith(tiny_run):
     run_dir, result = tiny_run
     card = json.loads((run_dir / "scorecard.json").read_text())
-    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft"]
+    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo"]  # the reward model is not a generator
     for row in card["rows"]:
         assert 0.0 <= row["echo"] <= 1.0 and row["echo_n"] == 20 and row["size_mb"] > 0
         assert len(row["echo_examples"]) == 3
+        assert 0.0 <= row["arith"] <= 1.0 and row["arith_n"] == 20
+        assert 0.0 <= row["arith_pass@1"] <= 1.0 and row["arith_samples"] == 2
     markdown = (run_dir / "scorecard.md").read_text()
-    assert "| base |" in markdown and "| sft |" in markdown
-    assert "| checkpoint | echo (n) | size MB |" in result.stdout  # printed at the end of the run
+    assert "| base |" in markdown and "| sft |" in markdown and "| grpo |" in markdown
+    header = "| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | size MB |"
+    assert header in result.stdout  # printed at the end of the run
 
 
 def test_sft_changed_weights_and_lowered_heldout_echo_loss(tiny_run):
@@ -87,9 +149,10 @@ def test_sft_changed_weights_and_lowered_heldout_echo_loss(tiny_run):
 
 def test_rerun_skips_finished_stages(tiny_run):
     run_dir, _ = tiny_run
-    before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in ("00-pretrain", "01-sft")}
+    before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in STAGES}
     result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pretrain: up to date" in result.stderr and "sft: up to date" in result.stderr
+    for stage in ("pretrain", "sft", "reward_model", "grpo"):
+        assert f"{stage}: up to date" in result.stderr
     after = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in before}
     assert before == after

@@ -18,7 +18,7 @@ CI = ("pipeline=tiny-ci", "pretrain.trainer.max_steps=4", "pretrain.trainer.save
 
 def test_sigkill_during_sft_then_rerun_resumes_from_last_checkpoint(tmp_path):
     args = (*CI, f"run.root={tmp_path}", "run.name=k", "sft.trainer.max_steps=30", "sft.trainer.save_steps=4",
-            "eval.n_prompts=5")
+            "eval.n_prompts.echo=5")
     ckpt_root = tmp_path / "k" / "01-sft" / "checkpoints"
     proc = popen("run", *args, log=tmp_path / "first.log")
     deadline = time.monotonic() + 600

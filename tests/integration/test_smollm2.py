@@ -222,3 +222,53 @@ def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smollm2, tmp_path):
         assert any(".mlp." in k for k in frozen)
         moved = [k for k in frozen if not base.get_tensor(k).equal(tuned.get_tensor(k))]
         assert not moved, f"weights outside the LoRA targets changed: {moved[:4]}"
+
+
+# --- a few GRPO steps on GSM8K with the math verifier -----------------------------------------------------------------
+GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
+needs_gsm8k = pytest.mark.skipif(
+    not GSM8K.is_file(), reason=f"{GSM8K} is absent: GSM8K comes from ../shared, which is not checked out here"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+@needs_smollm2
+@needs_gsm8k
+def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2, tmp_path):
+    from safetensors import safe_open
+
+    _, base_dir = smollm2
+    command = [
+        sys.executable, "-m", "posttrain.cli", "stage=grpo", "model=smollm2-135m", "grpo=gsm8k",
+        f"grpo.prompts.path={GSM8K}", "grpo.prompts.n=4", "grpo.trainer.max_steps=2",
+        "grpo.trainer.max_completion_length=48", "grpo.trainer.learning_rate=1e-5",
+        f"run.root={tmp_path}", "run.name=smollm2-grpo",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(f"smollm2: `posttrain stage=grpo ... grpo=gsm8k` (2 steps x 4 completions) took "
+          f"{time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
+
+    stage_dir = tmp_path / "smollm2-grpo" / "00-grpo"
+    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    assert manifest["stage"] == "grpo" and manifest["metrics"]["global_step"] == 2
+    rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4
+    questions = {json.loads(line)["question"] for line in GSM8K.open().readlines()[:4]}
+    assert {r["prompt"] for r in rows} <= questions
+    assert all(r["rewards"]["math_verifier"] in (0.0, 1.0) and r["completion"] for r in rows)
+    print(f"smollm2: math_verifier rewards {[r['rewards']['math_verifier'] for r in rows]}; "
+          f"first completion {rows[0]['completion'][:120]!r}")
+
+    # A step was taken: the weights moved (zero-advantage steps leave them put, so only require any change when
+    # some group had a spread of rewards).
+    spread = any(abs(r["advantage"]) > 1e-6 for r in rows)
+    with (
+        safe_open(base_dir / "model.safetensors", "pt") as base,
+        safe_open(stage_dir / "model" / "model.safetensors", "pt") as tuned,
+    ):
+        moved = [k for k in base.keys() if not base.get_tensor(k).equal(tuned.get_tensor(k))]
+    assert bool(moved) == spread, (len(moved), spread)

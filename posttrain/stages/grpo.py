@@ -1,0 +1,215 @@
+"""grpo: instruct -> reasoning with TRL's GRPOTrainer; rewards by name and weight from the recipe.
+
+Prompts are rendered through the model's chat template by TRL (conversational prompts); each is sampled
+`num_generations` times and every completion is scored by the recipe's rewards (`grpo.rewards`: name in
+`rewards.REWARDS` -> weight; `reward_model` scores with a reward-model artifact). TRL's own knobs keep their names
+under `grpo.trainer`.
+
+Every scored completion goes to `completions.jsonl` in the stage directory (and to W&B as a table when tracking
+is on, through TRL's `log_completions`). Per generation batch the stage logs, beside TRL's own reward metrics, the
+fraction of groups whose rewards are all equal (they have zero advantage and teach nothing) and advantage
+statistics computed with `rewards.advantages.group_advantages`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from posttrain import training
+from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.training import StageRun
+from rewards.advantages import equal_reward_fraction, group_advantages
+
+log = logging.getLogger("posttrain")
+COMPLETIONS = "completions.jsonl"
+
+
+# --- prompts -------------------------------------------------------------------------------------------------------
+def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
+    """Rows with a conversational `prompt` and the `answer` column the verifiers read."""
+    if prompts_cfg.source == "tiny_arith":
+        from posttrain.data.tiny_world import make_arith, take_split
+
+        rows = take_split(make_arith(0.0), prompts_cfg.n or 2000, "train", seed, "arith")
+        rows = [{"prompt": r["messages"][:1], "answer": r["answer"]} for r in rows]
+        record = {"id": "tiny_world/arith (train split)", "card": "data_cards/tiny_world.md"}
+    elif prompts_cfg.source == "gsm8k":
+        from posttrain.data.dolly import DataError, read_rows
+
+        if not prompts_cfg.path:
+            raise DataError("grpo.prompts.path is empty: gsm8k prompts are read from a local JSONL (question, answer)")
+        raw = read_rows(Path(prompts_cfg.path))
+        rows = []
+        for i, r in enumerate(raw, start=1):
+            for name in ("question", "answer"):
+                if not isinstance(r.get(name), str) or not r[name].strip():
+                    raise DataError(f"{prompts_cfg.path}: row {i}: field '{name}' is missing or empty")
+            rows.append({"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]})
+        rows = rows[: prompts_cfg.n] if prompts_cfg.n else rows
+        record = {"id": str(prompts_cfg.path), "card": "data_cards/gsm8k.md"}
+    else:
+        raise ValueError(f"grpo.prompts.source '{prompts_cfg.source}' is not one of tiny_arith, gsm8k")
+    return rows, {**record, "rows": len(rows), "content_sha256": sha256_json(rows)}
+
+
+# --- rewards, and the table of every scored completion -------------------------------------------------------------
+class RewardTable:
+    """Wraps the recipe's reward functions for TRL and records what they gave.
+
+    TRL calls the reward functions one after another on the same generation batch; when the last one has
+    answered, the weighted reward, the group advantages and the completions are written out and logged.
+    """
+
+    def __init__(self, funcs: dict[str, tuple], group_size: int, scale: str, path: Path):
+        self.funcs, self.group_size, self.scale, self.path = funcs, group_size, scale, path
+        self.pending: dict[str, list] = {}
+        self.history: list[dict] = []  # per generation batch: step, mean reward, equal-group fraction
+
+    def wrapped(self) -> list:
+        out = []
+        for name, (fn, _) in self.funcs.items():
+            def call(prompts, completions, _name=name, _fn=fn, **kwargs):
+                scores = _fn(prompts=prompts, completions=completions, **kwargs)
+                self.pending[_name] = scores
+                if len(self.pending) == len(self.funcs):
+                    self.flush(prompts, completions, kwargs)
+                return scores
+
+            call.__name__ = name  # TRL logs rewards/<name>/mean
+            out.append(call)
+        return out
+
+    def flush(self, prompts, completions, kwargs) -> None:
+        from rewards.text import completion_text
+
+        per_func, self.pending = self.pending, {}
+        totals = []
+        for i in range(len(completions)):
+            parts = [(per_func[n][i], w) for n, (_, w) in self.funcs.items() if per_func[n][i] is not None]
+            totals.append(sum(r * w for r, w in parts) if parts else math.nan)
+        usable = [0.0 if math.isnan(t) else t for t in totals]
+        advantages = group_advantages(usable, self.group_size, scale=self.scale)
+        equal = equal_reward_fraction(usable, self.group_size)
+        state = kwargs.get("trainer_state")
+        step = state.global_step if state is not None else None
+        log_metric = kwargs.get("log_metric")
+        if log_metric is not None:
+            log_metric("equal_reward_groups", equal)
+            log_metric("advantages/abs_mean", sum(map(abs, advantages)) / len(advantages))
+            log_metric("advantages/max", max(advantages))
+            log_metric("advantages/min", min(advantages))
+        self.history.append({"step": step, "reward": sum(usable) / len(usable), "equal_reward_groups": equal})
+        with self.path.open("a") as f:
+            for i, completion in enumerate(completions):
+                prompt = prompts[i]
+                f.write(json.dumps({
+                    "step": step,
+                    "prompt": prompt[-1]["content"] if isinstance(prompt, list) else prompt,
+                    "completion": completion_text(completion),
+                    "rewards": {n: per_func[n][i] for n in self.funcs},
+                    "reward": None if math.isnan(totals[i]) else totals[i],
+                    "advantage": advantages[i],
+                }) + "\n")
+
+
+def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
+    """name -> (function, weight) from `grpo.rewards`; `reward_model` loads the scorer named by the recipe."""
+    from rewards import REWARDS
+    from rewards.reward_model import RewardModelScorer
+
+    funcs = {}
+    for name, weight in cfg.grpo.rewards.items():
+        if name == "reward_model":
+            path = cfg.grpo.reward_model or run.inputs.get("reward_model")
+            if path is None:
+                raise ValueError("grpo.rewards names reward_model, but there is no reward_model stage in this "
+                                 "pipeline and grpo.reward_model (an artifact or model path) is empty")
+            funcs[name] = (RewardModelScorer(path), float(weight))
+        elif name in REWARDS:
+            funcs[name] = (REWARDS[name], float(weight))
+        else:
+            raise ValueError(f"grpo.rewards: unknown reward '{name}'; valid: {', '.join([*REWARDS, 'reward_model'])}")
+    if not funcs:
+        raise ValueError("grpo.rewards is empty: GRPO needs at least one reward")
+    return funcs
+
+
+def scale_name(scale_rewards) -> str:
+    """TRL's scale_rewards (group | batch | none, or a bool in older recipes) as group_advantages' `scale`."""
+    return {True: "group", False: "none"}.get(scale_rewards, str(scale_rewards))
+
+
+# --- the stage -----------------------------------------------------------------------------------------------------
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from posttrain.models.loading import load_model, load_tokenizer, model_location
+
+    # --- config ------------------------------------------------------------------------------------------------
+    training.begin(run)
+    args = training.trl_args("GRPOConfig", cfg.grpo.trainer, run, cfg.tracking)
+    if cfg.grpo.chat_template_kwargs:
+        args.chat_template_kwargs = dict(cfg.grpo.chat_template_kwargs)
+    args.log_completions = args.log_completions or "wandb" in (args.report_to or [])
+
+    # --- model, prompts, rewards ---------------------------------------------------------------------------------
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    torch.manual_seed(cfg.seed)
+    model = load_model(location, cfg.model)
+    rows, record = load_prompts(cfg.grpo.prompts, cfg.data.seed)
+    funcs = build_rewards(cfg, run)
+    table_path = run.out_dir / COMPLETIONS
+    resume = training.last_checkpoint(run)
+    if not resume:
+        table_path.unlink(missing_ok=True)  # a fresh start owns the table; a resumed one appends to it
+    table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
+    args.reward_weights = [w for _, w in funcs.values()]
+    log.info("grpo: %d prompts x %d generations; rewards %s", len(rows), args.num_generations,
+             {n: w for n, (_, w) in funcs.items()})
+    peft_config = None
+    if cfg.grpo.lora is not None:
+        from omegaconf import OmegaConf
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**OmegaConf.to_container(cfg.grpo.lora, resolve=True))
+
+    # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    # TRL applies reward_weights itself; the table weights the same way for its own record.
+    trainer = GRPOTrainer(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, peft_config=peft_config)
+    if resume:
+        log.info("grpo: resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+
+    # --- save ----------------------------------------------------------------------------------------------------
+    model = trainer.model
+    if peft_config is not None:
+        model = model.merge_and_unload()
+    training.save_model(model, tokenizer, run)
+    training.drop_checkpoints(run)
+    curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
+             for h in trainer.state.log_history if "reward" in h]
+    metrics = {**training.train_metrics(trainer), "reward_curve": curve, "completions_table": COMPLETIONS,
+               "prompts": len(rows)}
+    if curve:
+        log.info("grpo: mean reward by logging step: %s",
+                 " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))
+    write_manifest(
+        run.out_dir,
+        stage="grpo",
+        parent=run.parent,
+        config=run.config,
+        config_hash=run.config_hash,
+        datasets=[record],
+        metrics=metrics,
+        started_at=run.started_at,
+        extra={"resumed_from": resume, "base_model": str(location),
+               "reward_model": str(run.inputs.get("reward_model")) if "reward_model" in funcs else None},
+    )
+    return metrics

@@ -1,0 +1,106 @@
+"""reward_model: preference pairs -> a Bradley-Terry scorer, with TRL's RewardTrainer.
+
+The scorer starts from the parent artifact (or the recipe's model) with a one-output sequence-classification head.
+Pairs are the tiny world's or PKU-SafeRLHF rows (chosen by `safer_response_id` unless the recipe says `better`).
+The manifest records the pairwise accuracy on held-out pairs: the fraction where chosen outscores rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain import training
+from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.training import StageRun
+
+log = logging.getLogger("posttrain")
+
+
+def pairwise_accuracy(scorer, pairs: list[dict]) -> dict:
+    """Held-out accuracy of a scorer on pairs, per family and overall, with the mean margin."""
+    prompts = [p["prompt"] for p in pairs] * 2
+    completions = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    scores = scorer(prompts=prompts, completions=completions)
+    chosen, rejected = scores[: len(pairs)], scores[len(pairs) :]
+    wins: dict[str, list[bool]] = {}
+    for pair, c, r in zip(pairs, chosen, rejected):
+        wins.setdefault(pair.get("family", "all"), []).append(c > r)
+    every = [w for ws in wins.values() for w in ws]
+    return {
+        "pairwise_accuracy": sum(every) / len(every),
+        "pairwise_accuracy_by_family": {k: sum(v) / len(v) for k, v in sorted(wins.items())},
+        "mean_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(pairs),
+        "held_out_pairs": len(pairs),
+    }
+
+
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardTrainer
+
+    from posttrain.data.preferences import load_pairs
+    from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
+    from rewards.reward_model import RewardModelScorer
+
+    # --- config ------------------------------------------------------------------------------------------------
+    training.begin(run)
+    args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking)
+
+    # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        location, num_labels=1, dtype=torch_dtype(cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+    peft_config = None
+    if cfg.reward_model.lora is not None:
+        from omegaconf import OmegaConf
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(task_type="SEQ_CLS", **OmegaConf.to_container(cfg.reward_model.lora, resolve=True))
+
+    # --- data ----------------------------------------------------------------------------------------------------
+    train_pairs, held_out, record = load_pairs(cfg.reward_model.pairs, cfg.data.seed)
+    record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
+              "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
+    log.info("reward_model: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    columns = ("prompt", "chosen", "rejected")
+    dataset = Dataset.from_list([{k: p[k] for k in columns} for p in train_pairs])
+
+    # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    batch = args.per_device_eval_batch_size or 16
+    before = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=peft_config)
+    resume = training.last_checkpoint(run)
+    if resume:
+        log.info("reward_model: resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+    model = trainer.model
+    if peft_config is not None:
+        model = model.merge_and_unload()
+
+    # --- held-out pairwise accuracy, then save -------------------------------------------------------------------
+    held = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
+    log.info("reward_model: held-out pairwise accuracy %.3f on %d pairs %s", held["pairwise_accuracy"],
+             held["held_out_pairs"], held["pairwise_accuracy_by_family"])
+    training.save_model(model, tokenizer, run)
+    training.drop_checkpoints(run)
+    metrics = {**training.train_metrics(trainer), **held,
+               "pairwise_accuracy_before_training": before["pairwise_accuracy"]}
+    write_manifest(
+        run.out_dir,
+        stage="reward_model",
+        parent=run.parent,
+        config=run.config,
+        config_hash=run.config_hash,
+        datasets=[record],
+        metrics=metrics,
+        started_at=run.started_at,
+        extra={"resumed_from": resume, "base_model": str(location), "head": "sequence-classification, 1 output"},
+    )
+    return metrics
