@@ -43,11 +43,7 @@ def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
     from posttrain.data.tiny_world import tokenizer_corpus
 
     bpe = Tokenizer(models.BPE())
-    # Digits are split one per token, as Qwen's and Llama 3's tokenizers do: arithmetic is then learnable digit by
-    # digit instead of as a lookup table of multi-digit tokens.
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(ADDED_TOKENS),  # the non-special added tokens take the last ids

@@ -41,6 +41,12 @@ def test_arithmetic_steps_are_right_unless_they_slip(slip_rate):
         shown = int(r["messages"][1]["content"].split()[-1].rstrip("."))
         assert (shown != int(r["answer"])) == r["slipped"]
         assert r["messages"][1]["reasoning_content"].endswith(f"= {shown}")
+        numbers = [int(n) for n in r["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" plus ")]
+        lines = [line.replace(" plus ", " ").replace(" = ", " ").split() for line in
+                 r["messages"][1]["reasoning_content"].splitlines()]
+        assert [int(b) for _, b, _ in lines] == numbers[1:]  # each line adds the next number of the question
+        wrong_lines = sum(int(a) + int(b) != int(c) for a, b, c in lines)
+        assert wrong_lines == int(r["slipped"])  # a slip is one wrong running sum, carried to the end
     assert slipped == 0 if slip_rate == 0 else 0.2 < slipped / len(rows) < 0.4
 
 
