@@ -177,55 +177,71 @@ def make_qa(rng: random.Random) -> dict:
 
 
 # --- preference pairs for the reward model ------------------------------------------------------------------------
-def make_pair(rng: random.Random) -> dict:
-    """One preference pair: a prompt, the reference reply (chosen) and a worse reply (rejected).
+ECHO_CHATTER = ("Sure! Here is the message: {msg}", "{msg} (copied as you asked)", "Of course. {msg}",
+                "Here you go: {msg}. Anything else?")
 
-    Rejected replies fail in ways a reader sees: an echo that copies the wrong words or stops early, arithmetic
-    whose final answer contradicts its own steps or comes with no working, an answer about the wrong fact.
+
+def pick(rng: random.Random, weighted: dict[str, float]) -> str:
+    return rng.choices(list(weighted), weights=list(weighted.values()))[0]
+
+
+def make_pair(rng: random.Random) -> dict:
+    """One preference pair: a prompt, the reference reply (chosen), a worse reply (rejected) and how it is worse.
+
+    Most rejected replies fail in ways a reader sees at a glance: an echo that stops early or wraps the message in
+    chatter it was told not to add, arithmetic whose final answer contradicts its own steps or comes with no
+    working, an answer to another question or a refusal despite the context. A minority need the reply checked
+    against the prompt word by word (an echo with a changed word or other words, a fact the context contradicts):
+    the per-kind accuracy in the reward model's manifest shows which a small scorer learns.
     """
-    kind = rng.choice(("echo", "arith", "qa"))
-    if kind == "echo":
+    family = rng.choice(("echo", "arith", "qa"))
+    if family == "echo":
         row = make_echo(rng, min_words=2)
-        words = row["message"].split()
-        how = rng.random()
-        if how < 0.4:
-            bad = " ".join(rng.choice(WORDS) for _ in words)
-        elif how < 0.7:
+        words, msg = row["message"].split(), row["message"]
+        kind = pick(rng, {"truncated": 0.35, "chatter": 0.35, "changed_word": 0.15, "other_words": 0.15})
+        if kind == "truncated":
             bad = " ".join(words[: rng.randint(1, len(words) - 1)])
-        else:
+        elif kind == "chatter":
+            bad = rng.choice(ECHO_CHATTER).format(msg=msg)
+        elif kind == "changed_word":
             i = rng.randrange(len(words))
             bad = " ".join(w if j != i else rng.choice([x for x in WORDS if x != w]) for j, w in enumerate(words))
+        else:
+            bad = " ".join(rng.choice(WORDS) for _ in words)
         prompt, chosen, rejected = row["messages"][:1], row["messages"][1], {"role": "assistant", "content": bad}
-        key = row["prompt_key"]
-    elif kind == "arith":
+    elif family == "arith":
         row = make_arith(0.0)(rng)
-        prompt, chosen, key = row["messages"][:1], row["messages"][1], row["prompt_key"]
-        gold = int(row["answer"])
-        wrong = gold + rng.choice([-10, -1, 1, 10, 100])
-        if rng.random() < 0.5:
+        prompt, chosen = row["messages"][:1], row["messages"][1]
+        wrong = int(row["answer"]) + rng.choice([-10, -5, 5, 10])
+        kind = pick(rng, {"answer_contradicts_steps": 0.5, "no_working": 0.5})
+        if kind == "answer_contradicts_steps":
             rejected = dict(chosen, content=f"The answer is {wrong}.")
         else:
             rejected = {"role": "assistant", "content": f"The answer is {wrong}."}
     else:
         row = make_qa(rng)
-        messages = qa_messages(row)
-        if rng.random() < 0.5:  # the asked fact, wrong: not what the context says
-            wrong = dict(make_person(rng), name=row["person"]["name"])
-            bad = QA_TEMPLATES[row["template"]][1].format(**wrong)
-        else:  # the answer to another question
+        prompt, chosen = qa_messages(row)
+        prompt = [prompt]
+        kind = pick(rng, {"other_question": 0.6, "refusal": 0.15, "wrong_fact": 0.25})
+        if kind == "other_question":
             other = rng.choice([i for i in range(len(QA_TEMPLATES)) if i != row["template"]])
             bad = QA_TEMPLATES[other][1].format(**row["person"])
-        if bad == row["response"]:
-            bad = "I do not know."
-        prompt, chosen, rejected = messages[:1], messages[1], {"role": "assistant", "content": bad}
-        key = row["prompt_key"]
-    return {"prompt_key": key, "prompt": prompt, "chosen": [chosen], "rejected": [rejected], "family": kind}
+        elif kind == "refusal":
+            bad = rng.choice(("I do not know.", "I cannot answer that.", "That is not something I know."))
+        else:
+            wrong = dict(make_person(rng), name=row["person"]["name"])
+            bad = QA_TEMPLATES[row["template"]][1].format(**wrong)
+            if bad == row["response"]:
+                kind, bad = "refusal", "I do not know."
+        rejected = {"role": "assistant", "content": bad}
+    return {"prompt_key": row["prompt_key"], "prompt": prompt, "chosen": [chosen], "rejected": [rejected],
+            "family": family, "kind": kind}
 
 
 def preference_pairs(split: str, n: int, seed: int) -> list[dict]:
     """`n` preference pairs (conversational prompt / chosen / rejected) of one split, no prompt in both splits."""
     rows = take_split(make_pair, n, split, seed, "pairs")
-    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "family")} for r in rows]
+    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "family", "kind")} for r in rows]
 
 
 # --- plain text for the pretraining bootstrap ----------------------------------------------------------------------

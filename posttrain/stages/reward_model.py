@@ -23,12 +23,16 @@ def pairwise_accuracy(scorer, pairs: list[dict]) -> dict:
     scores = scorer(prompts=prompts, completions=completions)
     chosen, rejected = scores[: len(pairs)], scores[len(pairs) :]
     wins: dict[str, list[bool]] = {}
+    kinds: dict[str, list[bool]] = {}
     for pair, c, r in zip(pairs, chosen, rejected):
         wins.setdefault(pair.get("family", "all"), []).append(c > r)
+        if "kind" in pair:
+            kinds.setdefault(f"{pair['family']}/{pair['kind']}", []).append(c > r)
     every = [w for ws in wins.values() for w in ws]
     return {
         "pairwise_accuracy": sum(every) / len(every),
         "pairwise_accuracy_by_family": {k: sum(v) / len(v) for k, v in sorted(wins.items())},
+        "pairwise_accuracy_by_kind": {k: {"accuracy": sum(v) / len(v), "pairs": len(v)} for k, v in sorted(kinds.items())},
         "mean_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(pairs),
         "held_out_pairs": len(pairs),
     }
@@ -69,7 +73,7 @@ def main(cfg, run: StageRun) -> dict:
               "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
     log.info("reward_model: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
     columns = ("prompt", "chosen", "rejected")
-    dataset = Dataset.from_list([{k: p[k] for k in columns} for p in train_pairs])
+    dataset = Dataset.from_list([{k: p[k] for k in columns} for p in train_pairs])  # family / kind stay out
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     batch = args.per_device_eval_batch_size or 16

@@ -18,7 +18,7 @@ CI = ("pipeline=tiny-ci", "pretrain.trainer.max_steps=4", "pretrain.trainer.save
 
 def test_sigkill_during_sft_then_rerun_resumes_from_last_checkpoint(tmp_path):
     args = (*CI, f"run.root={tmp_path}", "run.name=k", "sft.trainer.max_steps=30", "sft.trainer.save_steps=4",
-            "eval.n_prompts.echo=5")
+            "pipeline.stages=[pretrain,sft]", "pipeline.evaluate=false")
     ckpt_root = tmp_path / "k" / "01-sft" / "checkpoints"
     proc = popen("run", *args, log=tmp_path / "first.log")
     deadline = time.monotonic() + 600
@@ -107,3 +107,20 @@ def test_wandb_offline_run_files_land_in_the_run_directory(tmp_path):
     runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((tmp_path / "w").rglob("*"))[:20]
     assert list(runs[0].glob("*.wandb"))
+
+
+def test_grpo_with_wandb_logs_the_completions_table_offline(pretrained, tmp_path):
+    result = posttrain("stage=grpo", f"parent={pretrained}", "tracking=wandb", f"run.root={tmp_path}", "run.name=g",
+                       "grpo.prompts.n=8", "grpo.trainer.max_steps=1", "grpo.trainer.per_device_train_batch_size=8",
+                       "grpo.trainer.num_generations=4", "grpo.trainer.max_completion_length=8",
+                       WANDB_API_KEY="", WANDB_MODE="")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stage_dir = tmp_path / "g" / "01-grpo"
+    rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(set(r["rewards"]) == {"math_verifier", "think_format"} for r in rows)
+    runs = list((tmp_path / "g" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    tables = list(runs[0].rglob("completions*.table.json"))
+    assert tables, sorted(str(p.relative_to(runs[0])) for p in runs[0].rglob("*"))[:40]
+    table = json.loads(tables[0].read_text())
+    assert "completion" in table["columns"] and len(table["data"]) == 8
