@@ -124,3 +124,31 @@ def test_grpo_with_wandb_logs_the_completions_table_offline(pretrained, tmp_path
     assert tables, sorted(str(p.relative_to(runs[0])) for p in runs[0].rglob("*"))[:40]
     table = json.loads(tables[0].read_text())
     assert "completion" in table["columns"] and len(table["data"]) == 8
+
+
+def test_reward_model_on_pku_saferlhf_rows_records_the_preference_and_held_out_pairs(pretrained, tmp_path):
+    from tests.conftest import shared_path
+
+    pku = shared_path("data", "pku_saferlhf", "pku_saferlhf_test_sample_transcribed.jsonl")
+    result = posttrain("stage=reward_model", f"parent={pretrained}", "reward_model=pku_saferlhf",
+                       f"reward_model.pairs.path={pku}", "reward_model.pairs.preference=better",
+                       "reward_model.trainer.max_steps=2", "reward_model.trainer.gradient_accumulation_steps=1",
+                       "reward_model.trainer.max_length=256", f"run.root={tmp_path}", "run.name=p")
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = verify_artifact(tmp_path / "p" / "01-reward_model")
+    record = manifest["datasets"][0]
+    assert record["id"] == str(pku) and record["preference"] == "better"
+    assert record["rows"] == 5 and record["held_out"] == 4  # 9 rows: half (rounded down) held out
+    assert manifest["metrics"]["held_out_pairs"] == 4 and manifest["metrics"]["global_step"] == 2
+    assert set(manifest["metrics"]["pairwise_accuracy_by_family"]) == {"pku_saferlhf"}
+
+
+def test_bad_pku_row_stops_the_reward_model_stage_naming_the_row(pretrained, tmp_path):
+    bad = tmp_path / "pku.jsonl"
+    row = {"prompt": "p", "response_0": "a", "response_1": "b", "safer_response_id": 1, "better_response_id": 1}
+    bad.write_text("\n".join(json.dumps(r) for r in [row, row, {**row, "safer_response_id": "1"}]))
+    result = posttrain("stage=reward_model", f"parent={pretrained}", "reward_model=pku_saferlhf",
+                       f"reward_model.pairs.path={bad}", f"run.root={tmp_path}", "run.name=b")
+    assert result.returncode == 2
+    assert f"{bad}: row 3: field 'safer_response_id' must be 0 or 1, got '1'" in result.stderr
+    assert not list(tmp_path.glob("b/*/manifest.json"))

@@ -66,3 +66,17 @@ def test_wrong_type_is_rejected_with_the_key():
 def test_misspelled_override_is_rejected():
     with pytest.raises(RecipeError, match="learnin_rate"):
         compose(["sft.trainer.learnin_rate=0.1"])
+
+
+@pytest.mark.parametrize("group", [g for g in config_mod.GROUPS if g != "pipeline"])
+def test_every_recipe_option_composes_and_validates(group):
+    options = sorted(p.stem for p in (config_mod.RECIPES_DIR / group).glob("*.yaml"))
+    assert options
+    for option in options:
+        cfg = compose([f"{group}={option}"])  # raises RecipeError on a key TRL / peft / the schema does not know
+        assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("pipeline", ["tiny", "tiny-ci"])
+def test_pipelines_compose(pipeline):
+    assert compose([f"pipeline={pipeline}"]).pipeline.stages
