@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from posttrain import tracking
-from posttrain.artifacts import MANIFEST, now, sha256_json
+from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
 
 log = logging.getLogger("posttrain")
 INTENT = ".config_hash"  # written when a stage starts: checkpoints of another config are stale
@@ -114,3 +114,12 @@ def save_model(model, tokenizer, run: StageRun) -> None:
 def drop_checkpoints(run: StageRun) -> None:
     """Trainer checkpoints only serve resume; the finished artifact is model/."""
     shutil.rmtree(run.checkpoints, ignore_errors=True)
+
+
+def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: dict, extra: dict) -> dict:
+    """Save model/, drop the trainer checkpoints, then write the manifest last: the stage is now an artifact."""
+    save_model(model, tokenizer, run)
+    drop_checkpoints(run)
+    write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config, config_hash=run.config_hash,
+                   datasets=datasets, metrics=metrics, started_at=run.started_at, extra=extra)
+    return metrics

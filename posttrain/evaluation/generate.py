@@ -40,8 +40,3 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
         else:
             out += texts
     return out
-
-
-def greedy_generate(model, tokenizer, conversations, max_new_tokens: int, batch_size: int, desc: str = "generate",
-                    **template_kwargs) -> list[str]:
-    return generate(model, tokenizer, conversations, max_new_tokens, batch_size, desc=desc, **template_kwargs)

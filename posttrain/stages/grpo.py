@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from posttrain import training
-from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.artifacts import sha256_json
 from posttrain.training import StageRun
 from rewards.advantages import equal_reward_fraction, group_advantages
 
@@ -191,8 +191,6 @@ def main(cfg, run: StageRun) -> dict:
     model = trainer.model
     if peft_config is not None:
         model = model.merge_and_unload()
-    training.save_model(model, tokenizer, run)
-    training.drop_checkpoints(run)
     curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), "reward_curve": curve, "completions_table": COMPLETIONS,
@@ -200,16 +198,6 @@ def main(cfg, run: StageRun) -> dict:
     if curve:
         log.info("grpo: mean reward by logging step: %s",
                  " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))
-    write_manifest(
-        run.out_dir,
-        stage="grpo",
-        parent=run.parent,
-        config=run.config,
-        config_hash=run.config_hash,
-        datasets=[record],
-        metrics=metrics,
-        started_at=run.started_at,
-        extra={"resumed_from": resume, "base_model": str(location),
-               "reward_model": str(run.inputs.get("reward_model")) if "reward_model" in funcs else None},
-    )
-    return metrics
+    reward_model = str(run.inputs.get("reward_model")) if "reward_model" in funcs else None
+    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+                           extra={"resumed_from": resume, "base_model": str(location), "reward_model": reward_model})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from posttrain import training
-from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.artifacts import sha256_json
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -48,19 +48,8 @@ def main(cfg, run: StageRun) -> dict:
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save + manifest ---------------------------------------------------------------------------------------
-    training.save_model(trainer.model, tokenizer, run)
-    training.drop_checkpoints(run)
     metrics = {**training.train_metrics(trainer), "parameters": n_params, "rows": len(texts)}
-    write_manifest(
-        run.out_dir,
-        stage="pretrain",
-        parent=None,
-        config=run.config,
-        config_hash=run.config_hash,
-        datasets=[{"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
-                   "content_sha256": sha256_json(texts)}],
-        metrics=metrics,
-        started_at=run.started_at,
-        extra={"resumed_from": resume},
-    )
-    return metrics
+    record = {"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
+              "content_sha256": sha256_json(texts)}
+    return training.finish(run, trainer.model, tokenizer, datasets=[record], metrics=metrics,
+                           extra={"resumed_from": resume})

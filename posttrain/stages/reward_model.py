@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from posttrain import training
-from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.artifacts import sha256_json
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -92,19 +92,8 @@ def main(cfg, run: StageRun) -> dict:
     held = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
     log.info("reward_model: held-out pairwise accuracy %.3f on %d pairs %s", held["pairwise_accuracy"],
              held["held_out_pairs"], held["pairwise_accuracy_by_family"])
-    training.save_model(model, tokenizer, run)
-    training.drop_checkpoints(run)
     metrics = {**training.train_metrics(trainer), **held,
                "pairwise_accuracy_before_training": before["pairwise_accuracy"]}
-    write_manifest(
-        run.out_dir,
-        stage="reward_model",
-        parent=run.parent,
-        config=run.config,
-        config_hash=run.config_hash,
-        datasets=[record],
-        metrics=metrics,
-        started_at=run.started_at,
-        extra={"resumed_from": resume, "base_model": str(location), "head": "sequence-classification, 1 output"},
-    )
-    return metrics
+    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+                           extra={"resumed_from": resume, "base_model": str(location),
+                                  "head": "sequence-classification, 1 output"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from posttrain import training
-from posttrain.artifacts import sha256_json, write_manifest
+from posttrain.artifacts import sha256_json
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -112,8 +112,6 @@ def main(cfg, run: StageRun) -> dict:
 
             model = PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter")
         model = model.merge_and_unload()
-    training.save_model(model, tokenizer, run)
-    training.drop_checkpoints(run)
     metrics = {
         **training.train_metrics(trainer),
         "rows": len(ids),
@@ -121,15 +119,5 @@ def main(cfg, run: StageRun) -> dict:
         "tokens": n_tokens,
         "assistant_token_fraction": trained_fraction,
     }
-    write_manifest(
-        run.out_dir,
-        stage="sft",
-        parent=run.parent,
-        config=run.config,
-        config_hash=run.config_hash,
-        datasets=[record],
-        metrics=metrics,
-        started_at=run.started_at,
-        extra={"resumed_from": resume, "base_model": str(location)},
-    )
-    return metrics
+    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+                           extra={"resumed_from": resume, "base_model": str(location)})
