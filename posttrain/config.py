@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from posttrain.models.tiny import TinyArch
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
-GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "eval", "tracking", "pipeline")
+GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "dpo", "eval", "tracking", "pipeline")
 
 
 class RecipeError(ValueError):
@@ -51,6 +51,7 @@ class DataCfg:
     counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
     pretrain_rows: int = 6000
     arith_slip_rate: float = 0.0
+    safety_decline_rate: float = 0.0  # share of the SFT mix's harmful requests whose demonstration declines
 
 
 @dataclass
@@ -63,13 +64,20 @@ class StageCfg:
 
 @dataclass
 class PairsCfg:
-    source: str = "tiny"  # tiny (the tiny world's preference pairs) | pku_saferlhf (a local JSONL/Parquet or hub id)
+    source: str = "tiny"  # tiny (preference pairs) | tiny_safety (safety pairs, for DPO) | pku_saferlhf (file or hub id)
     path: str | None = None
     hub_id: str | None = None
     split: str = "train"
-    preference: str = "safer"  # PKU-SafeRLHF: chosen = safer_response_id (safer) or better_response_id (better)
+    # PKU-SafeRLHF only. preference: safer (chosen = response_<safer_response_id>) | better (chosen =
+    # response_<better_response_id>) | safe_vs_unsafe (only rows with exactly one response flagged safe, which is
+    # chosen; the rest are skipped and counted). on_bad_row (missing text, a label not 0/1, contradictory labels):
+    # error (stop, naming the file, row and field) | drop (skip, count by reason, warn). The dataset record in the
+    # manifest keeps the preference and a report of rows read, pairs, skipped and dropped.
+    preference: str = "safer"
+    on_bad_row: str = "error"
     n_train: int | None = 2000  # pairs to train on (null: every row the source has; the tiny world needs a number)
     n_eval: int = 200  # held-out pairs scored into the manifest
+    anchor_fraction: float = 0.0  # tiny_safety: share of n_train drawn from the general pairs (echo, arith, qa)
 
 
 @dataclass
@@ -92,6 +100,18 @@ class GrpoCfg(StageCfg):
 
 
 @dataclass
+class DpoCfg(StageCfg):
+    pairs: PairsCfg = field(default_factory=PairsCfg)  # source tiny_safety | pku_saferlhf
+
+
+@dataclass
+class PkuSuiteCfg:
+    path: str | None = None  # held-out PKU-SafeRLHF rows (JSON / JSONL / Parquet); their prompts are the suite
+    reward_model: str | None = None  # the safety judge: a reward_model artifact or sequence-classification model
+    threshold: float | None = None  # null: the reward model manifest's decision_threshold
+
+
+@dataclass
 class EvalCfg:
     suites: list[str] = field(default_factory=lambda: ["echo"])
     n_prompts: dict[str, int] = field(default_factory=lambda: {"echo": 100, "arith": 200})  # held-out prompts, per suite
@@ -99,6 +119,7 @@ class EvalCfg:
     batch_size: int = 50  # sequences per generate call (prompts x samples)
     samples: int = 4  # replies sampled per prompt for pass@1, in suites that sample
     temperature: float = 1.0
+    pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
 
 
 @dataclass
@@ -130,6 +151,7 @@ class RootCfg:
     sft: StageCfg = field(default_factory=StageCfg)
     reward_model: RewardModelCfg = field(default_factory=RewardModelCfg)
     grpo: GrpoCfg = field(default_factory=GrpoCfg)
+    dpo: DpoCfg = field(default_factory=DpoCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
@@ -139,7 +161,18 @@ class RootCfg:
     seed: int = 0
 
 
-TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig"}
+TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig",
+                   "dpo": "DPOConfig"}
+
+
+# Options with a closed set of values, checked at start-up rather than when a stage reaches them.
+OPTION_VALUES = {
+    f"{stage}.pairs.{key}": values
+    for stage in ("reward_model", "dpo")
+    for key, values in {"source": ("tiny", "tiny_safety", "pku_saferlhf"),
+                        "preference": ("safer", "better", "safe_vs_unsafe"),
+                        "on_bad_row": ("error", "drop")}.items()
+}
 
 
 # --- composition -----------------------------------------------------------------------------------------------------
@@ -189,6 +222,11 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
         _check_fields(cfg[stage].trainer, f"{stage}.trainer", trl_fields(class_name), choices, overrides)
         if cfg[stage].lora is not None:
             _check_fields(cfg[stage].lora, f"{stage}.lora", lora_fields(), choices, overrides)
+    for key, valid in OPTION_VALUES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in valid:
+            where = key_source(key, choices, overrides)
+            raise RecipeError(f"recipe key '{key}' in {where} is '{value}'; valid values: {', '.join(valid)}")
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

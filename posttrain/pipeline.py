@@ -4,7 +4,8 @@ A stage whose manifest matches its config hash and parent is skipped (after chec
 was killed resumes from its last trainer checkpoint; a stage whose config or parent changed runs again.
 
 Stages that do not produce a generator (the reward model) do not become the next stage's parent: the chain
-base -> sft -> reward_model -> grpo trains GRPO on the SFT model and hands it the reward model as an input.
+base -> sft -> reward_model -> grpo -> dpo trains GRPO on the SFT model and hands it the reward model as an
+input; DPO then starts from (and is regularized towards) the GRPO model.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ log = logging.getLogger("posttrain")
 
 
 def stage_mains():
-    from posttrain.stages import grpo, pretrain, reward_model, sft
+    from posttrain.stages import dpo, grpo, pretrain, reward_model, sft
 
-    return {"pretrain": pretrain.main, "sft": sft.main, "reward_model": reward_model.main, "grpo": grpo.main}
+    return {"pretrain": pretrain.main, "sft": sft.main, "reward_model": reward_model.main, "grpo": grpo.main,
+            "dpo": dpo.main}
 
 
 SIDE_STAGES = {"reward_model"}  # artifacts later stages read as inputs, not as their parent

@@ -118,8 +118,9 @@ def drop_checkpoints(run: StageRun) -> None:
 
 def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: dict, extra: dict) -> dict:
     """Save model/, drop the trainer checkpoints, then write the manifest last: the stage is now an artifact."""
+    device = str(next(model.parameters()).device)  # where the weights were trained (cpu, cuda:0, ...)
     save_model(model, tokenizer, run)
     drop_checkpoints(run)
     write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config, config_hash=run.config_hash,
-                   datasets=datasets, metrics=metrics, started_at=run.started_at, extra=extra)
+                   datasets=datasets, metrics=metrics, started_at=run.started_at, extra={"device": device, **extra})
     return metrics

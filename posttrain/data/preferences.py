@@ -1,48 +1,136 @@
 """Preference pairs (prompt, chosen, rejected) for the reward model and DPO: the tiny world's, or PKU-SafeRLHF rows.
 
-PKU-SafeRLHF rows carry `prompt`, `response_0`, `response_1` and two labels: `safer_response_id` (the default
-choice of "chosen" here) and `better_response_id` (helpfulness). Every row is checked first: a missing field or a
-label that is not 0 or 1 is an error naming the file, the row and the field.
+PKU-SafeRLHF rows carry `prompt`, `response_0`, `response_1`, two ids (`safer_response_id`, `better_response_id`)
+and two safety flags (`is_response_0_safe`, `is_response_1_safe`). The `preference` mode says which label picks
+"chosen":
+
+- `safer` (default): chosen = response_<safer_response_id>;
+- `better`: chosen = response_<better_response_id> (helpfulness, which may favour the less safe reply);
+- `safe_vs_unsafe`: only rows where exactly one response is flagged safe; chosen = that one. Rows with both or
+  neither safe are skipped and counted (`not_exactly_one_safe`): that is the data, not an error.
+
+Every row is checked first. A bad row (missing or empty text, a label that is not 0/1, labels that contradict each
+other) either stops the load with a DataError naming the file, the row and the field (`on_bad_row="error"`) or is
+counted by reason and dropped with a warning (`on_bad_row="drop"`); it is never passed on.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+from collections import Counter
+from numbers import Integral
 from pathlib import Path
 
 from posttrain.data.dolly import DataError, read_rows
 
+log = logging.getLogger("posttrain")
+
 PKU_FIELDS = ("prompt", "response_0", "response_1")
-PREFERENCE_LABELS = {"safer": "safer_response_id", "better": "better_response_id"}
+ID_LABELS = ("safer_response_id", "better_response_id")
+SAFE_LABELS = ("is_response_0_safe", "is_response_1_safe")
+PREFERENCES = ("safer", "better", "safe_vs_unsafe")
+ON_BAD_ROW = ("error", "drop")
+# Labels a mode cannot do without; the others are still checked when a row has them, since a malformed label
+# means the row is suspect even if this mode does not read it.
+REQUIRED_LABELS = {"safer": ("safer_response_id",), "better": ("better_response_id",), "safe_vs_unsafe": SAFE_LABELS}
+MAX_DROPPED_ROWS = 10  # row numbers kept in the report; the counts cover every dropped row
 
 
-def pku_pairs(rows: list[dict], source: str, preference: str = "safer") -> list[dict]:
-    """Conversational pairs from PKU-SafeRLHF-shaped rows; rows are numbered from 1 as in the file.
+class _BadRow(Exception):
+    """One row's problem: `reason` keys the report's `dropped` counts, the message names the field."""
 
-    >>> pku_pairs([{"prompt": "p", "response_0": "a", "response_1": "b", "safer_response_id": 1,
-    ...             "better_response_id": 0}], "x")[0]["chosen"]
-    [{'role': 'assistant', 'content': 'b'}]
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check_option(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"reward_model.pairs.{name} '{value}' is not one of {', '.join(valid)}")
+
+
+def _label(row: dict, name: str, required: bool) -> int | None:
+    """A label as 0 or 1; None when an optional label is absent. Only the safety flags may be true/false."""
+    value = row.get(name)
+    if value is None and not required:
+        return None
+    flag = name in SAFE_LABELS
+    if isinstance(value, Integral) and value in (0, 1) and (flag or not isinstance(value, bool)):
+        return int(value)
+    reason = "missing" if value is None else "bad_label"
+    raise _BadRow(f"{reason}:{name}", f"field '{name}' must be {'true/false or ' if flag else ''}0 or 1, got {value!r}")
+
+
+def _choose(row: object, preference: str) -> int | None:
+    """Index (0 or 1) of the chosen response; None when `safe_vs_unsafe` skips the row. Raises _BadRow."""
+    if not isinstance(row, dict):
+        raise _BadRow("not_an_object", f"expected an object with fields {PKU_FIELDS + REQUIRED_LABELS[preference]}")
+    for name in PKU_FIELDS:
+        if not isinstance(row.get(name), str) or not row[name].strip():
+            raise _BadRow(f"missing:{name}", f"field '{name}' is missing or not a non-empty string")
+    labels = {name: _label(row, name, name in REQUIRED_LABELS[preference]) for name in ID_LABELS + SAFE_LABELS}
+    safe = [labels[name] for name in SAFE_LABELS]
+    if preference == "safe_vs_unsafe":
+        if safe[0] == safe[1]:
+            return None
+        choice, safer = safe.index(1), labels["safer_response_id"]
+        if safer is not None and safer != choice:
+            raise _BadRow("contradictory_labels", f"field 'safer_response_id' is {safer}, but response_{safer} is "
+                                                  f"flagged unsafe and response_{choice} safe")
+        return choice
+    choice = labels[f"{preference}_response_id"]
+    # Helpfulness may rightly prefer the unsafe reply, so only `safer` is held to the safety flags.
+    if preference == "safer" and safe[choice] == 0 and safe[1 - choice] == 1:
+        raise _BadRow("contradictory_labels", f"field 'safer_response_id' is {choice}, but {SAFE_LABELS[choice]} is "
+                                              f"false and {SAFE_LABELS[1 - choice]} is true")
+    return choice
+
+
+def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
+              on_bad_row: str = "error") -> tuple[list[dict], dict]:
+    """(conversational pairs, report) from PKU-SafeRLHF-shaped rows; rows are numbered from 1 as in the file.
+
+    The report: {"rows_read", "pairs", "skipped": {"not_exactly_one_safe"}, "dropped": {reason: count},
+    "dropped_rows": [the first 10 dropped row numbers]}.
+
+    >>> pairs, report = pku_pairs([{"prompt": "p", "response_0": "a", "response_1": "b", "safer_response_id": 1,
+    ...                             "better_response_id": 0}], "x")
+    >>> pairs[0]["chosen"], pairs[0]["kind"], report["pairs"]
+    ([{'role': 'assistant', 'content': 'b'}], 'safer', 1)
     """
-    if preference not in PREFERENCE_LABELS:
-        raise ValueError(f"preference '{preference}' is not one of {sorted(PREFERENCE_LABELS)}")
-    label = PREFERENCE_LABELS[preference]
-    pairs = []
+    _check_option("preference", preference, PREFERENCES)
+    _check_option("on_bad_row", on_bad_row, ON_BAD_ROW)
+    pairs, skipped, dropped, dropped_rows = [], 0, Counter(), []
     for i, row in enumerate(rows, start=1):
-        if not isinstance(row, dict):
-            raise DataError(f"{source}: row {i}: expected an object with fields {(*PKU_FIELDS, label)}")
-        for name in PKU_FIELDS:
-            if not isinstance(row.get(name), str) or not row[name].strip():
-                raise DataError(f"{source}: row {i}: field '{name}' is missing or not a non-empty string")
-        choice = row.get(label)
-        if choice not in (0, 1) or isinstance(choice, bool):
-            raise DataError(f"{source}: row {i}: field '{label}' must be 0 or 1, got {choice!r}")
-        chosen, rejected = row[f"response_{choice}"], row[f"response_{1 - choice}"]
+        try:
+            choice = _choose(row, preference)
+        except _BadRow as bad:
+            if on_bad_row == "error":
+                raise DataError(f"{source}: row {i}: {bad}") from None
+            dropped[bad.reason] += 1
+            if len(dropped_rows) < MAX_DROPPED_ROWS:
+                dropped_rows.append(i)
+            continue
+        if choice is None:
+            skipped += 1
+            continue
         pairs.append({
             "prompt": [{"role": "user", "content": row["prompt"]}],
-            "chosen": [{"role": "assistant", "content": chosen}],
-            "rejected": [{"role": "assistant", "content": rejected}],
+            "chosen": [{"role": "assistant", "content": row[f"response_{choice}"]}],
+            "rejected": [{"role": "assistant", "content": row[f"response_{1 - choice}"]}],
             "family": "pku_saferlhf",
+            "kind": preference,
         })
-    return pairs
+    if dropped:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(dropped.items()))
+        log.warning("%s: dropped %d of %d rows as bad (%s); first dropped rows: %s", source, sum(dropped.values()),
+                    len(rows), reasons, ", ".join(map(str, dropped_rows)))
+    if skipped:
+        log.info("%s: %s skipped %d rows without exactly one safe response", source, preference, skipped)
+    report = {"rows_read": len(rows), "pairs": len(pairs), "skipped": {"not_exactly_one_safe": skipped},
+              "dropped": dict(dropped), "dropped_rows": dropped_rows}
+    return pairs, report
 
 
 def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
@@ -53,21 +141,37 @@ def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
         train = preference_pairs("train", pairs_cfg.n_train, seed)
         held_out = preference_pairs("test", pairs_cfg.n_eval, seed)
         return train, held_out, {"id": "tiny_world/preference_pairs", "card": "data_cards/tiny_world.md"}
+    if pairs_cfg.source == "tiny_safety":
+        from posttrain.data.tiny_safety import safety_pairs
+
+        from posttrain.data.tiny_world import preference_pairs
+
+        # General pairs (echo, arithmetic, QA) mixed in anchor the skills the safety pairs never show; the
+        # held-out pairs of the likelihood report stay safety pairs.
+        n_anchor = round(pairs_cfg.n_train * pairs_cfg.anchor_fraction)
+        train = safety_pairs("train", pairs_cfg.n_train - n_anchor, seed) + preference_pairs("train", n_anchor, seed)
+        random.Random(f"anchored:{seed}").shuffle(train)
+        held_out = safety_pairs("test", pairs_cfg.n_eval, seed)
+        return train, held_out, {"id": "tiny_world/safety_pairs", "card": "data_cards/tiny_world.md",
+                                 "anchor_pairs": n_anchor}
     if pairs_cfg.source == "pku_saferlhf":
         if pairs_cfg.path:
             source, rows = str(pairs_cfg.path), read_rows(Path(pairs_cfg.path))
         elif pairs_cfg.hub_id:
             from datasets import load_dataset
 
-            source, rows = f"{pairs_cfg.hub_id}:{pairs_cfg.split}", list(load_dataset(pairs_cfg.hub_id, split=pairs_cfg.split))
+            source = f"{pairs_cfg.hub_id}:{pairs_cfg.split}"
+            rows = list(load_dataset(pairs_cfg.hub_id, split=pairs_cfg.split))
         else:
             raise DataError("reward_model.pairs.path and .hub_id are both empty: nothing to load")
-        pairs = pku_pairs(rows, source, pairs_cfg.preference)
+        pairs, report = pku_pairs(rows, source, pairs_cfg.preference, pairs_cfg.on_bad_row)
         if pairs_cfg.n_train:
             pairs = pairs[: pairs_cfg.n_train + pairs_cfg.n_eval]
         n_eval = min(pairs_cfg.n_eval, len(pairs) // 2)  # a tiny file still trains on half of it
         if n_eval < 1:
-            raise DataError(f"{source}: {len(pairs)} pairs is too few to hold any out for the pairwise accuracy")
-        record = {"id": source, "card": "data_cards/pku-saferlhf.md", "preference": pairs_cfg.preference}
+            raise DataError(f"{source}: {len(pairs)} pairs is too few to hold any out for the pairwise accuracy "
+                            f"(report: {report})")
+        record = {"id": source, "card": "data_cards/pku-saferlhf.md", "preference": pairs_cfg.preference,
+                  "report": report}
         return pairs[n_eval:], pairs[:n_eval], record
-    raise ValueError(f"reward_model.pairs.source '{pairs_cfg.source}' is not one of tiny, pku_saferlhf")
+    raise ValueError(f"pairs.source '{pairs_cfg.source}' is not one of tiny, tiny_safety, pku_saferlhf")

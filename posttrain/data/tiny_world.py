@@ -8,7 +8,8 @@ Families (DESIGN.md, "The tiny world"):
 - plain text: the base model's pretraining bootstrap; no chat tokens, no instructions, so the base only continues text;
 - echo / follow: "Return the following message <start> ... <end>" and sibling instructions;
 - arithmetic with worked steps inside <think>, some of which may slip (as human demonstrations do);
-- Dolly-like QA: instruction + context + response + category from a small fact table.
+- Dolly-like QA: instruction + context + response + category from a small fact table;
+- safety: harmful and benign requests of the same shapes (posttrain.data.tiny_safety).
 """
 
 from __future__ import annotations
@@ -284,6 +285,9 @@ def tokenizer_corpus(seed: int = 0) -> Iterator[str]:
                 yield m.get("reasoning_content", "") + " " + m["content"]
         qa = make_qa(rng)
         yield f"{qa['instruction']} {qa['context']} {qa['response']}"
+    from posttrain.data.tiny_safety import corpus as safety_corpus
+
+    yield from safety_corpus(seed)
     # Words at the start of a turn carry no leading space: teach both forms, so "apple" and " apple" are tokens.
     for _ in range(20):
         yield from WORDS
@@ -299,7 +303,8 @@ def qa_messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row["response"]}]
 
 
-def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: float = 0.0) -> list[dict]:
+def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: float = 0.0,
+             safety_decline_rate: float = 0.0) -> list[dict]:
     """Conversation rows for SFT or held-out eval, mixed and shuffled: each has `messages` and `family`."""
     rows: list[dict] = []
     if counts.get("echo"):
@@ -308,8 +313,12 @@ def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: flo
         rows += take_split(make_arith(arith_slip_rate), counts["arith"], split, seed, "arith")
     if counts.get("qa"):
         rows += [dict(r, messages=qa_messages(r)) for r in take_split(make_qa, counts["qa"], split, seed, "qa")]
-    unknown = set(counts) - {"echo", "arith", "qa"}
+    if counts.get("safety"):
+        from posttrain.data.tiny_safety import sft_safety_rows
+
+        rows += sft_safety_rows(split, counts["safety"], seed, safety_decline_rate)
+    unknown = set(counts) - {"echo", "arith", "qa", "safety"}
     if unknown:
-        raise ValueError(f"unknown tiny-world task families {sorted(unknown)}; valid: echo, arith, qa")
+        raise ValueError(f"unknown tiny-world task families {sorted(unknown)}; valid: echo, arith, qa, safety")
     random.Random(f"shuffle:{seed}:{split}").shuffle(rows)
     return rows

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
 from posttrain.evaluation.generate import generate
+from posttrain.evaluation.likelihood import render_shift
 from posttrain.evaluation.suites import build_suite
 
 log = logging.getLogger("posttrain")
 ROW_LABELS = {"pretrain": "base"}  # the tiny world's pretrain artifact is the base model
 NOT_GENERATORS = {"reward_model"}
+HEADERS = {"safety": "safe replies", "over_refusal": "benign answered", "pku_saferlhf": "PKU safe replies"}  # what the suite's score is a rate of
 
 
 def checkpoint_label(stage: str) -> str:
@@ -67,15 +69,22 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) 
     for name in eval_cfg.suites:
         if name not in eval_cfg.n_prompts:
             raise ValueError(f"eval.n_prompts has no entry for suite '{name}' (has {sorted(eval_cfg.n_prompts)})")
-        kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature} if name == "arith" else {}
+        kwargs = {}
+        if name == "arith":
+            kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature}
+        elif name == "pku_saferlhf":
+            kwargs = dict(eval_cfg.pku_saferlhf)
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
-    rows = []
+    rows, shifts = [], {}
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
         if manifest.get("stage") in NOT_GENERATORS:
             continue
         rows.append(score_checkpoint(stage_dir, suites, eval_cfg, seed))
-    card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "written_at": now()}
+        if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
+            shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
+    card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
+            "written_at": now()}
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
     tmp = Path(run_dir) / ".scorecard.md.tmp"
@@ -90,7 +99,8 @@ def render_markdown(card: dict) -> str:
     columns: list[tuple[str, str]] = []  # (header, key)
     for s in card["suites"]:
         sampled = rows and f"{s}_pass@1" in rows[0]
-        columns.append((f"{s} greedy (n)" if sampled else f"{s} (n)", s))
+        name = HEADERS.get(s, s)
+        columns.append((f"{name} greedy (n)" if sampled else f"{name} (n)", s))
         if sampled:
             columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
     head = ["checkpoint"] + [h for h, _ in columns] + ["size MB"]
@@ -102,4 +112,6 @@ def render_markdown(card: dict) -> str:
             cells.append(f"{row[key]:.3f}" + (f" ({n})" if n is not None else ""))
         cells.append(f"{row['size_mb']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    for label, shift in card.get("likelihood_shift", {}).items():
+        lines += ["", f"Likelihood shift of {label} against its reference: {render_shift(shift)}"]
     return "\n".join(lines) + "\n"

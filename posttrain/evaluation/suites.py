@@ -7,6 +7,7 @@ drawn at `temperature` (as reasoning-model papers report it), beside the greedy 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from rewards import REWARDS
@@ -54,7 +55,46 @@ def arith_suite(n: int, seed: int, samples: int = 4, temperature: float = 1.0) -
                  temperature=temperature)
 
 
-SUITES = {"echo": echo_suite, "arith": arith_suite}
+def safety_suite(n: int, seed: int) -> Suite:
+    """Held-out harmful requests (repeat an inflammatory claim, how to harm someone): the safe-reply rate."""
+    from posttrain.data.tiny_safety import requests
+
+    return Suite("safety", requests("test", n, seed, harmful=True), REWARDS["tiny_safety_rule"],
+                 ("harmful", "content"))
+
+
+def over_refusal_suite(n: int, seed: int) -> Suite:
+    """Held-out benign requests of the same shapes ("Repeat after me: all bakers work hard"): the answered rate."""
+    from posttrain.data.tiny_safety import requests
+
+    return Suite("over_refusal", requests("test", n, seed, harmful=False), REWARDS["tiny_safety_rule"],
+                 ("harmful", "content"))
+
+
+def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model: str | None = None,
+                      threshold: float | None = None) -> Suite:
+    """PKU-SafeRLHF prompts (the first `n` rows of a held-out file), replies judged by a safety reward model.
+
+    A reply counts as safe when the reward model (trained on the safer labels) scores it above its threshold
+    (rewards.safety.RewardModelSafety).
+    """
+    from posttrain.data.dolly import read_rows
+    from rewards.safety import RewardModelSafety
+
+    if not path or not reward_model:
+        raise ValueError("the pku_saferlhf suite needs eval.pku_saferlhf.path (held-out rows) and "
+                         "eval.pku_saferlhf.reward_model (a safety reward model or reward_model artifact)")
+    rows = []
+    for i, row in enumerate(read_rows(Path(path))[:n], start=1):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f"{path}: row {i}: field 'prompt' is missing or not a non-empty string")
+        messages = [{"role": "user", "content": row["prompt"]}]
+        rows.append({"messages": messages, "prompts": messages})
+    return Suite("pku_saferlhf", rows, RewardModelSafety(reward_model, threshold), ("prompts",), max_new_tokens=128)
+
+
+SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
+          "pku_saferlhf": pku_saferlhf_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:

@@ -34,6 +34,8 @@ def pairwise_accuracy(scorer, pairs: list[dict]) -> dict:
         "pairwise_accuracy_by_family": {k: sum(v) / len(v) for k, v in sorted(wins.items())},
         "pairwise_accuracy_by_kind": {k: {"accuracy": sum(v) / len(v), "pairs": len(v)} for k, v in sorted(kinds.items())},
         "mean_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(pairs),
+        # midway between the mean chosen and mean rejected score: rewards.safety.RewardModelSafety's default cut
+        "decision_threshold": (sum(chosen) + sum(rejected)) / (2 * len(pairs)),
         "held_out_pairs": len(pairs),
     }
 

@@ -21,7 +21,8 @@ def load_rows(data_cfg) -> tuple[list[dict], dict]:
     if data_cfg.name == "tiny":
         from posttrain.data.tiny_world import sft_rows
 
-        rows = sft_rows("train", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate)
+        rows = sft_rows("train", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
+                        data_cfg.safety_decline_rate)
         source, card = "tiny_world/sft", "data_cards/tiny_world.md"
     elif data_cfg.name == "dolly":
         from posttrain.data.dolly import load_dolly

@@ -23,7 +23,7 @@ def tiny_run(tmp_path_factory):
     return root / "ci", result
 
 
-STAGES = ("00-pretrain", "01-sft", "02-reward_model", "03-grpo")
+STAGES = ("00-pretrain", "01-sft", "02-reward_model", "03-grpo", "04-dpo")
 
 
 def test_every_stage_wrote_a_complete_manifest(tiny_run):
@@ -98,18 +98,44 @@ def test_grpo_made_high_advantage_completions_more_likely(tiny_run):
     assert sum(up) / len(up) > sum(down) / len(down), (up, down)
 
 
-def test_scorecard_has_a_row_per_generator_with_echo_and_arith(tiny_run):
+def test_dpo_trains_on_grpo_against_it_and_reports_the_likelihood_shift(tiny_run):
+    """DPO's parent (and reference) is the GRPO model; its weights moved, and on held-out pairs the implicit reward
+    favours the chosen replies: chosen log-probability rose relative to rejected, measured against the parent."""
+    import torch
+
+    run_dir, _ = tiny_run
+    dpo = json.loads((run_dir / "04-dpo" / "manifest.json").read_text())
+    assert dpo["parent"]["manifest_sha256"] == manifest_sha256(run_dir / "03-grpo")
+    assert dpo["reference"] == str(run_dir / "03-grpo" / "model") and dpo["lora"] is False
+    assert dpo["datasets"][0]["id"] == "tiny_world/safety_pairs"
+    grpo_w = load_file(run_dir / "03-grpo/model/model.safetensors")
+    dpo_w = load_file(run_dir / "04-dpo/model/model.safetensors")
+    assert sum(not torch.equal(grpo_w[k], dpo_w[k]) for k in grpo_w) == len(grpo_w)
+    shift = dpo["metrics"]["likelihood_shift"]
+    assert shift["held_out_pairs"] == 40 and shift["beta"] == 0.3
+    assert shift["chosen_logp_per_token"]["shift"] > shift["rejected_logp_per_token"]["shift"], shift
+    assert shift["implicit_reward_margin"] > 0 and shift["implicit_reward_accuracy"] > 0.5, shift
+    assert set(shift["implicit_reward_accuracy_by_kind"]) == {"harmful/repeat", "harmful/ask", "benign/repeat",
+                                                              "benign/ask"}
+
+
+def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     run_dir, result = tiny_run
     card = json.loads((run_dir / "scorecard.json").read_text())
-    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo"]  # the reward model is not a generator
+    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo", "dpo"]  # the RM is not a generator
+    assert set(card["likelihood_shift"]) == {"dpo"}
     for row in card["rows"]:
         assert 0.0 <= row["echo"] <= 1.0 and row["echo_n"] == 20 and row["size_mb"] > 0
         assert len(row["echo_examples"]) == 3
         assert 0.0 <= row["arith"] <= 1.0 and row["arith_n"] == 20
         assert 0.0 <= row["arith_pass@1"] <= 1.0 and row["arith_samples"] == 2
+        assert 0.0 <= row["safety"] <= 1.0 and row["safety_n"] == 20
+        assert 0.0 <= row["over_refusal"] <= 1.0 and row["over_refusal_n"] == 20
     markdown = (run_dir / "scorecard.md").read_text()
-    assert "| base |" in markdown and "| sft |" in markdown and "| grpo |" in markdown
-    header = "| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | size MB |"
+    assert all(f"| {label} |" in markdown for label in ("base", "sft", "grpo", "dpo"))
+    assert "Likelihood shift of dpo against its reference: chosen log-prob/token" in markdown
+    header = ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | safe replies (n) "
+              "| benign answered (n) | size MB |")
     assert header in result.stdout  # printed at the end of the run
 
 
@@ -152,7 +178,7 @@ def test_rerun_skips_finished_stages(tiny_run):
     before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in STAGES}
     result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci")
     assert result.returncode == 0, result.stderr[-3000:]
-    for stage in ("pretrain", "sft", "reward_model", "grpo"):
+    for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo"):
         assert f"{stage}: up to date" in result.stderr
     after = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in before}
     assert before == after

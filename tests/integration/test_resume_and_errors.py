@@ -142,6 +142,18 @@ def test_reward_model_on_pku_saferlhf_rows_records_the_preference_and_held_out_p
     assert manifest["metrics"]["held_out_pairs"] == 4 and manifest["metrics"]["global_step"] == 2
     assert set(manifest["metrics"]["pairwise_accuracy_by_family"]) == {"pku_saferlhf"}
 
+    # The artifact is a safety judge for the pku_saferlhf eval suite: its manifest's threshold is the default cut.
+    from posttrain.evaluation.suites import build_suite
+    from rewards.reward_model import RewardModelScorer
+
+    judge = tmp_path / "p" / "01-reward_model"
+    threshold = manifest["metrics"]["decision_threshold"]
+    suite = build_suite("pku_saferlhf", 4, 0, path=str(pku), reward_model=str(judge))
+    replies = [json.loads(line)["response_0"] for line in pku.read_text().splitlines()[:4]]
+    raw = RewardModelScorer(judge)(prompts=[r["messages"] for r in suite.rows], completions=replies)
+    assert suite.scorer.threshold == threshold
+    assert suite.score(replies) == [float(x > threshold) for x in raw]
+
 
 def test_bad_pku_row_stops_the_reward_model_stage_naming_the_row(pretrained, tmp_path):
     bad = tmp_path / "pku.jsonl"

@@ -272,3 +272,60 @@ def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2
     ):
         moved = [k for k in base.keys() if not base.get_tensor(k).equal(tuned.get_tensor(k))]
     assert bool(moved) == spread, (len(moved), spread)
+
+
+# --- a few LoRA DPO steps on the PKU-SafeRLHF rows ---------------------------------------------------------------
+PKU = SHARED / "data" / "pku_saferlhf" / "pku_saferlhf_test_sample_transcribed.jsonl"
+needs_pku = pytest.mark.skipif(
+    not PKU.is_file(), reason=f"{PKU} is absent: the PKU-SafeRLHF rows come from ../shared, not checked out here"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+@needs_smollm2
+@needs_pku
+def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smollm2, tmp_path):
+    """recipes/dpo/pku_saferlhf.yaml on SmolLM2: 5 training pairs (safer = chosen), 4 held out, 3 LoRA steps."""
+    from safetensors import safe_open
+
+    _, base_dir = smollm2
+    command = [
+        sys.executable, "-m", "posttrain.cli", "stage=dpo", "model=smollm2-135m", "dpo=pku_saferlhf",
+        f"dpo.pairs.path={PKU}", "dpo.pairs.n_eval=4", "dpo.trainer.max_steps=3",
+        "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
+        "dpo.trainer.learning_rate=1e-4", "dpo.trainer.max_length=384", "dpo.trainer.logging_steps=1",
+        "+dpo.trainer.activation_checkpointing=false", f"run.root={tmp_path}", "run.name=smollm2-dpo",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(f"smollm2: `posttrain stage=dpo ... dpo=pku_saferlhf` (3 LoRA steps) took "
+          f"{time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
+
+    stage_dir = tmp_path / "smollm2-dpo" / "00-dpo"
+    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
+    record = manifest["datasets"][0]
+    assert record["preference"] == "safer" and record["rows"] == 5 and record["held_out"] == 4
+    assert record["report"]["rows_read"] == 9 and not record["report"]["dropped"]
+    shift = manifest["metrics"]["likelihood_shift"]
+    print(f"smollm2: likelihood shift {json.dumps(shift)}")
+    assert shift["held_out_pairs"] == 4
+    for key in ("chosen_logp_per_token", "rejected_logp_per_token"):
+        assert math.isfinite(shift[key]["shift"]) and shift[key]["reference"] < 0
+    losses = [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    # The training pairs became more separated: the logged reward margin (policy vs reference) grew from 0.
+    margins = [h["rewards/margins"] for h in manifest["metrics"]["log_history"] if "rewards/margins" in h]
+    assert margins and margins[-1] > 0, margins
+
+    # Merged adapters: the attention projections moved, nothing else did.
+    with (
+        safe_open(base_dir / "model.safetensors", "pt") as base,
+        safe_open(stage_dir / "model" / "model.safetensors", "pt") as tuned,
+    ):
+        adapted = [k for k in base.keys() if any(f".{t}." in k for t in LORA_TARGETS)]
+        assert adapted and all(not base.get_tensor(k).equal(tuned.get_tensor(k)) for k in adapted)
+        assert all(base.get_tensor(k).equal(tuned.get_tensor(k)) for k in base.keys() if k not in adapted)

@@ -12,7 +12,7 @@ from posttrain.config import RecipeError, compose
 
 def test_tiny_pipeline_composes_with_trl_field_names():
     cfg = compose(["pipeline=tiny"])
-    assert list(cfg.pipeline.stages) == ["pretrain", "sft", "reward_model", "grpo"]
+    assert list(cfg.pipeline.stages) == ["pretrain", "sft", "reward_model", "grpo", "dpo"]
     for stage, class_name in config_mod.TRAINER_CLASSES.items():
         assert set(cfg[stage].trainer) <= set(config_mod.trl_fields(class_name)), stage
 
@@ -80,3 +80,13 @@ def test_every_recipe_option_composes_and_validates(group):
 @pytest.mark.parametrize("pipeline", ["tiny", "tiny-ci"])
 def test_pipelines_compose(pipeline):
     assert compose([f"pipeline={pipeline}"]).pipeline.stages
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["dpo=pku_saferlhf", "dpo.pairs.preference=safest"], "dpo.pairs.preference"),
+    (["reward_model=pku_saferlhf", "reward_model.pairs.on_bad_row=skip"], "reward_model.pairs.on_bad_row"),
+    (["dpo.pairs.source=pku"], "dpo.pairs.source"),
+])
+def test_closed_option_values_fail_at_start_up_naming_the_key(overrides, key):
+    with pytest.raises(RecipeError, match=rf"recipe key '{key}' in command-line override .* valid values: "):
+        compose(overrides)

@@ -32,7 +32,7 @@ def test_tiny_pairs_are_deterministic_held_out_and_differ():
 def test_pku_rows_choose_by_safer_or_better():
     rows = [json.loads(line) for line in shared_path("data", "pku_saferlhf",
                                                      "pku_saferlhf_test_sample_transcribed.jsonl").open()]
-    safer, better = pku_pairs(rows, "pku", "safer"), pku_pairs(rows, "pku", "better")
+    safer, better = pku_pairs(rows, "pku", "safer")[0], pku_pairs(rows, "pku", "better")[0]
     assert len(safer) == len(rows) == 9
     for row, s, b in zip(rows, safer, better):
         assert s["chosen"][0]["content"] == row[f"response_{row['safer_response_id']}"]
@@ -40,8 +40,8 @@ def test_pku_rows_choose_by_safer_or_better():
         assert b["chosen"][0]["content"] == row[f"response_{row['better_response_id']}"]
     # In these 9 rows the two labels agree; where they differ, the option decides.
     row = {**rows[0], "safer_response_id": 0, "better_response_id": 1}
-    assert pku_pairs([row], "pku", "safer")[0]["chosen"][0]["content"] == row["response_0"]
-    assert pku_pairs([row], "pku", "better")[0]["chosen"][0]["content"] == row["response_1"]
+    assert pku_pairs([row], "pku", "safer")[0][0]["chosen"][0]["content"] == row["response_0"]
+    assert pku_pairs([row], "pku", "better")[0][0]["chosen"][0]["content"] == row["response_1"]
 
 
 @pytest.mark.parametrize("change, message", [

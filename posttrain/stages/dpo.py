@@ -1,0 +1,80 @@
+"""dpo: reasoning -> aligned with TRL's DPOTrainer on safety preference pairs; the parent is the reference model.
+
+Pairs are the tiny world's safety pairs (harmful request: chosen = decline, rejected = compliance; benign request
+of the same shape: the other way round) or PKU-SafeRLHF rows (posttrain.data.preferences: safer, better or
+safe_vs_unsafe). With `dpo.lora` set, only adapters train and TRL takes the reference from the adapter-free model,
+which is the parent; the adapters are merged into the saved artifact.
+
+The manifest carries the likelihood-shift report on held-out pairs (posttrain.evaluation.likelihood).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain import training
+from posttrain.artifacts import sha256_json
+from posttrain.training import StageRun
+
+log = logging.getLogger("posttrain")
+
+
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    from posttrain.data.preferences import load_pairs
+    from posttrain.evaluation.likelihood import likelihood_shift, render_shift, reply_logprobs
+    from posttrain.models.loading import load_model, load_tokenizer, model_location
+
+    # --- config ------------------------------------------------------------------------------------------------
+    training.begin(run)
+    args = training.trl_args("DPOConfig", cfg.dpo.trainer, run, cfg.tracking)
+
+    # --- models: the policy starts from the parent, which is also the frozen reference ---------------------------
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    torch.manual_seed(cfg.seed)
+    model = load_model(location, cfg.model)
+    peft_config, ref_model = None, None
+    if cfg.dpo.lora is not None:
+        from omegaconf import OmegaConf
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**OmegaConf.to_container(cfg.dpo.lora, resolve=True))
+    else:
+        ref_model = load_model(location, cfg.model)
+        ref_model.eval()
+
+    # --- data ----------------------------------------------------------------------------------------------------
+    train_pairs, held_out, record = load_pairs(cfg.dpo.pairs, cfg.data.seed)
+    record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
+              "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
+    log.info("dpo: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in train_pairs])
+
+    # --- the reference's log-probabilities on held-out pairs, before any update ---------------------------------
+    batch = args.per_device_eval_batch_size or 32
+    reference = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: reference log-probs")
+
+    # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
+                         processing_class=tokenizer, peft_config=peft_config)
+    resume = training.last_checkpoint(run)
+    if resume:
+        log.info("dpo: resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+    model = trainer.model
+    if peft_config is not None:
+        model.save_pretrained(run.out_dir / "adapter")
+        model = model.merge_and_unload()
+
+    # --- how the held-out likelihoods moved, then save -----------------------------------------------------------
+    policy = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: policy log-probs")
+    shift = likelihood_shift(reference, policy, args.beta, held_out)
+    log.info("dpo: %s", render_shift(shift))
+    metrics = {**training.train_metrics(trainer), "likelihood_shift": shift}
+    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+                           extra={"resumed_from": resume, "base_model": str(location), "reference": str(location),
+                                  "lora": peft_config is not None})

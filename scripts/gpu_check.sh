@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# One-call GPU check of the tiny CI pipeline on the device machine (nvidia-h200; see the workplace's device notes).
+# The machine has no internet and lacks trl, datasets, hydra-core, omegaconf, math-verify (and has transformers 5.17),
+# so the missing / pinned packages travel as wheels in .whl/ (git-ignored through .git/info/exclude).
+#
+# Run from the repo root, through the device tool:  command "bash scripts/gpu_check.sh", carry [".whl"],
+# timeout_s ~420. It is sized to end in under ~6 minutes.
+# What comes back under $OUT (8 files at most): pipeline.log, scorecard.md, manifest-NN-<stage>.json (5), unit.log.
+# The runs themselves (model weights) stay under /tmp/gpu-runs on the machine.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check-out}
+RUNS=/tmp/gpu-runs
+RUN=gpu
+BUDGET=340            # seconds the whole script may take before the optional unit tests are skipped / cut
+PIPELINE_LIMIT=240    # seconds for the pipeline itself
+mkdir -p "$OUT"
+START=$SECONDS
+say() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
+
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# --- 1. the carried wheels ------------------------------------------------------------------------------------------
+if ! compgen -G ".whl/*.whl" >/dev/null; then
+    echo "gpu_check: no wheels under .whl/ (call the device tool with carry [\".whl\"])" >&2
+    exit 3
+fi
+say "installing $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >/tmp/gpu_check_pip.log 2>&1; then
+    echo "gpu_check: wheel install failed:" >&2
+    cat /tmp/gpu_check_pip.log >&2
+    exit 3
+fi
+export PYTHONPATH=/tmp/site:$PWD
+
+# --- 2. the machine and the packages --------------------------------------------------------------------------------
+say "nvidia-smi -L"
+nvidia-smi -L || echo "gpu_check: nvidia-smi -L failed (rc $?)"
+
+if ! python3 - <<'PY'; then
+import glob, importlib, importlib.metadata as md, os, sys
+
+print("python", sys.version.split()[0], sys.executable)
+import torch
+print("torch", torch.__version__, "| cuda available:", torch.cuda.is_available(),
+      "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no device")
+failed = []
+for mod in ("transformers", "trl", "datasets", "peft", "accelerate", "hydra", "omegaconf", "math_verify",
+            "latex2sympy2_extended", "posttrain", "rewards"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"  {mod:22s} {getattr(m, '__version__', '-'):10s} {os.path.dirname(m.__file__)}")
+    except Exception as err:  # report every import problem, then stop
+        failed.append(f"{mod}: {type(err).__name__}: {err}")
+
+# Each carried wheel's requirements against what is importable here (carried wheels shadow the machine's).
+from packaging.requirements import Requirement
+warnings = []
+for wheel in sorted(glob.glob(".whl/*.whl")):
+    dist = os.path.basename(wheel).split("-")[0]
+    try:
+        requires = md.requires(dist) or []
+    except md.PackageNotFoundError:
+        warnings.append(f"{dist}: carried but not found after the install")
+        continue
+    for line in requires:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            warnings.append(f"{dist} needs {req}: not installed")
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            warnings.append(f"{dist} needs {req}: found {have}")
+for w in warnings:
+    print("  requirement not met:", w)
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+print("  machine's versions:", {n: version(n) for n in ("huggingface-hub", "tokenizers", "safetensors", "regex",
+                                                         "fsspec", "pyarrow", "pandas", "sympy", "numpy", "psutil")})
+for f in failed:
+    print("  IMPORT FAILED:", f)
+if failed:
+    sys.exit(4)
+if not torch.cuda.is_available():
+    print("gpu_check: torch sees no CUDA device; stopping before the pipeline")
+    sys.exit(5)
+PY
+    echo "gpu_check: environment check failed; see above" >&2
+    exit 4
+fi
+
+# --- 3. the tiny CI pipeline on the GPU ------------------------------------------------------------------------------
+OVERRIDES=()
+for stage in pretrain sft reward_model grpo dpo; do
+    OVERRIDES+=("$stage.trainer.use_cpu=false" "$stage.trainer.bf16=true")
+done
+rm -rf "$RUNS"
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 2 >/tmp/gpu_check_smi.csv 2>&1 &
+SMI_PID=$!
+say "pipeline: python3 -m posttrain run pipeline=tiny-ci run.root=$RUNS run.name=$RUN ${OVERRIDES[*]}"
+PIPE_RC=0
+timeout "$PIPELINE_LIMIT" python3 -m posttrain run pipeline=tiny-ci "run.root=$RUNS" "run.name=$RUN" "${OVERRIDES[@]}" \
+    2>&1 | tee "$OUT/pipeline.log" || PIPE_RC=$?
+kill "$SMI_PID" 2>/dev/null || true
+say "pipeline exit status $PIPE_RC (124 = cut at ${PIPELINE_LIMIT}s)"
+python3 - <<'PY' || true
+import csv
+rows = [r for r in csv.reader(open("/tmp/gpu_check_smi.csv")) if len(r) == 3]
+def num(field):
+    head = field.split()[:1]
+    return int(head[0]) if head and head[0].isdigit() else None
+mem = [v for v in (num(r[2]) for r in rows) if v is not None]
+util = [v for v in (num(r[1]) for r in rows) if v is not None]
+print(f"nvidia-smi while the pipeline ran: {len(rows)} samples, max memory.used {max(mem, default=0)} MiB, "
+      f"max utilization {max(util, default=0)} %")
+PY
+
+# --- 4. the small files back: scorecard and one manifest per stage --------------------------------------------------
+cp "$RUNS/$RUN/scorecard.md" "$OUT/scorecard.md" 2>/dev/null || echo "gpu_check: no scorecard.md was written"
+for dir in "$RUNS/$RUN"/[0-9][0-9]-*/; do
+    [ -f "$dir/manifest.json" ] || { echo "gpu_check: no manifest in $dir"; continue; }
+    cp "$dir/manifest.json" "$OUT/manifest-$(basename "$dir").json"
+done
+python3 - "$OUT" <<'PY' || true
+import glob, json, os, sys
+
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "manifest-*.json"))):
+    m = json.load(open(path))
+    metrics, stage = m.get("metrics", {}), m.get("stage")
+    trainer = (m.get("config", {}).get(stage) or {}).get("trainer", {})
+    summary = next((h for h in reversed(metrics.get("log_history", [])) if "train_runtime" in h), {})
+    device = m.get("device") or metrics.get("device") or "not recorded"
+    print(f"{stage:13s} global_step={metrics.get('global_step')} train_runtime={summary.get('train_runtime')}s "
+          f"samples/s={summary.get('train_samples_per_second')} loss {metrics.get('first_logged_loss')} -> "
+          f"{metrics.get('last_logged_loss')} | device: {device} (use_cpu={trainer.get('use_cpu')}, "
+          f"bf16={trainer.get('bf16')}) | transformers {m.get('packages', {}).get('transformers')} "
+          f"trl {m.get('packages', {}).get('trl')}")
+PY
+if [ -f "$OUT/scorecard.md" ]; then cat "$OUT/scorecard.md"; fi
+
+# --- 5. unit tests, only if time is left ----------------------------------------------------------------------------
+LEFT=$((BUDGET - (SECONDS - START)))
+if [ "$LEFT" -gt 30 ]; then
+    LIMIT=$((LEFT < 150 ? LEFT : 150))
+    say "unit tests (timeout ${LIMIT}s)"
+    timeout "$LIMIT" python3 -m pytest -q -x tests/unit -k "not smollm2" -p no:cacheprovider 2>&1 \
+        | tee "$OUT/unit.log" || true
+else
+    say "skipping unit tests: ${LEFT}s left of ${BUDGET}s"
+fi
+say "done; pipeline exit status $PIPE_RC"
+exit "$PIPE_RC"
