@@ -1,0 +1,226 @@
+"""KV-cached generation: prefill the prompts, then decode one token per step for every running row.
+
+prefill -> decode_one_token -> generate, each a small function over `serve.model.Transformer` (gpt-fast's
+shape). Rows of one batch may have prompts of different lengths: prompts are padded on the right, every row
+keeps its own cache position, and the causal mask over cache positions hides both the padding and the stale
+slots a row has not reached yet, so a prompt gives the same greedy tokens alone or inside a mixed batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from posttrain.serve.model import ModelArgs, Transformer, rope_inv_freq
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class Completion:
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop token or string) or "length"
+    ttft_s: float  # request start to first token: the prefill
+    decode_s: float  # first token to last token
+
+    @property
+    def tbt_s(self) -> float | None:
+        """Mean time between tokens after the first."""
+        return self.decode_s / (len(self.token_ids) - 1) if len(self.token_ids) > 1 else None
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from logits [vocab]: argmax at temperature 0, else temperature, top-k, then top-p (nucleus)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Engine:
+    """Generation over one model: `generate(prompts, params)` -> one `Completion` per prompt."""
+
+    def __init__(self, model: Transformer, tokenizer, max_batch: int = 16, max_len: int | None = None,
+                 stop_token_ids: list[int] | None = None):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_batch = max_batch
+        self.max_len = min(max_len or model.args.max_position, model.args.max_position)
+        self.eos_ids = set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer))
+        self.device = model.model.norm.weight.device
+
+    # ---- the steps ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Run the prompts (rows 0..B-1 of the cache) and return the logits of each one's last token: [B, vocab]."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        pos = torch.arange(width, device=self.device).expand(len(prompts), width)
+        return self.model(tokens, pos, slice(0, len(prompts)), width, last=lengths - 1)
+
+    @torch.inference_mode()
+    def decode_one_token(self, tokens: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """tokens, pos: [B] (the newest token of each row and its cache position; length > every pos)
+        -> logits [B, vocab]."""
+        return self.model(tokens[:, None], pos[:, None], slice(0, tokens.shape[0]), length,
+                          last=torch.zeros_like(pos))
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams],
+                 progress: bool = False) -> list[Completion]:
+        """Complete each prompt (token ids, or text tokenized without special tokens added)."""
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
+        per_prompt = params if isinstance(params, list) else [params] * len(ids)
+        if len(per_prompt) != len(ids):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(ids)} prompts")
+        for i, (prompt, p) in enumerate(zip(ids, per_prompt)):
+            p.check()
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + p.max_tokens > self.max_len:
+                raise ValueError(f"prompt {i}: {len(prompt)} prompt tokens + max_tokens {p.max_tokens} exceed the "
+                                 f"context of {self.max_len} tokens")
+        out: list[Completion] = []
+        starts = range(0, len(ids), self.max_batch)
+        for start in tqdm(starts, desc="generate", unit="batch", disable=not progress or len(starts) < 2):
+            end = start + self.max_batch
+            out += self._generate_batch(ids[start:end], per_prompt[start:end])
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        n = len(prompts)
+        self.model.setup_cache(self.max_batch, self.max_len)
+        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        greedy = all(p.temperature == 0 for p in params)
+        new: list[list[int]] = [[] for _ in range(n)]
+        reason: list[str | None] = [None] * n
+        texts: list[str | None] = [None] * n
+        token_time = [[0.0, 0.0] for _ in range(n)]  # first and last token times per row
+
+        t0 = time.perf_counter()
+        logits = self.prefill(prompts)
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        while True:
+            chosen = (logits.argmax(-1).tolist() if greedy else
+                      [sample(logits[r], params[r], generators[r]) for r in range(n)])
+            now = time.perf_counter()
+            for r, token in enumerate(chosen):
+                if reason[r] is None:
+                    self._accept(r, token, new, reason, texts, params[r])
+                    token_time[r][0] = token_time[r][0] or now
+                    token_time[r][1] = now
+            if all(reason):
+                break
+            length = int(pos.max()) + 1
+            logits = self.decode_one_token(torch.tensor(chosen, device=self.device), pos, length)
+            pos = pos + 1
+        return [
+            Completion(len(prompts[r]), new[r], texts[r] if texts[r] is not None else self._text(new[r]),
+                       reason[r], token_time[r][0] - t0, token_time[r][1] - token_time[r][0])
+            for r in range(n)
+        ]
+
+    def _accept(self, r, token, new, reason, texts, p: SamplingParams) -> None:
+        """Append one token to row r, or finish the row on a stop token, a stop string or the token limit."""
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason[r] = "stop"
+            return
+        new[r].append(token)
+        if p.stop:
+            text = self._text(new[r])
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                texts[r], reason[r] = text[:cut], "stop"
+                return
+        if len(new[r]) >= p.max_tokens:
+            reason[r] = "length"
+
+    def _text(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:  # token-level use (benchmarks, tests on random configs)
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def default_stop_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
+    return sorted(ids)
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+def model_from_hf(hf_model) -> Transformer:
+    """Our Transformer holding the same tensors as a transformers causal LM (no copy)."""
+    config = hf_model.config
+    args = ModelArgs.from_hf_config(config)
+    inv_freq, scale = rope_inv_freq(config)
+    with torch.device("meta"):
+        model = Transformer(args, inv_freq, float(scale))
+    state = split_fused_experts(dict(hf_model.state_dict()), args)
+    if args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = inv_freq.float().to(state["model.norm.weight"].device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def split_fused_experts(state: dict, args: ModelArgs) -> dict:
+    """transformers 5 keeps a Qwen3-MoE layer's experts as two 3-D tensors; the engine (like the checkpoints on
+    disk) has one gate/up/down projection per expert, so each expert is a Linear a quantizer can swap."""
+    inter = args.moe_intermediate_size
+    for layer in args.sparse_layers:
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if prefix + "gate_up_proj" not in state:
+            continue
+        gate_up, down = state.pop(prefix + "gate_up_proj"), state.pop(prefix + "down_proj")  # [E, 2I, H], [E, H, I]
+        for e in range(args.num_experts):
+            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter]
+            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:]
+            state[f"{prefix}{e}.down_proj.weight"] = down[e]
+    return state
+
+
+def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: int | None = None) -> Engine:
+    """An engine for a model directory (a pipeline artifact's model/, any HF directory of a supported family)."""
+    from posttrain.models.loading import load_tokenizer, torch_dtype
+
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype))
+    return Engine(model_from_hf(hf_model), load_tokenizer(location), max_batch=max_batch, max_len=max_len)
