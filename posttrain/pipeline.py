@@ -25,13 +25,14 @@ log = logging.getLogger("posttrain")
 
 
 def stage_mains():
-    from posttrain.stages import dpo, grpo, pretrain, reward_model, sft
+    from posttrain.stages import dpo, grpo, pretrain, quantize, reward_model, sft
 
     return {"pretrain": pretrain.main, "sft": sft.main, "reward_model": reward_model.main, "grpo": grpo.main,
-            "dpo": dpo.main}
+            "dpo": dpo.main, "quantize": quantize.main}
 
 
 SIDE_STAGES = {"reward_model"}  # artifacts later stages read as inputs, not as their parent
+LEAF_STAGES = {"quantize"}  # end points: `quantize:int8` and `quantize:int4` both quantize the same parent
 
 
 def run_dir_of(cfg) -> tuple[Path, str]:
@@ -42,9 +43,10 @@ def run_dir_of(cfg) -> tuple[Path, str]:
 def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
               inputs: dict[str, Path] | None = None) -> Path:
     mains = stage_mains()
-    if name not in mains:
+    base = name.partition(":")[0]  # quantize:<variant>
+    if base not in mains:
         raise ValueError(f"unknown stage '{name}'; valid stages: {', '.join(mains)}")
-    out_dir = run_dir / f"{index:02d}-{name}"
+    out_dir = run_dir / f"{index:02d}-{name.replace(':', '-')}"
     config = stage_view(cfg, name)
     inputs = dict(inputs or {})
     digest = stage_hash(config, manifest_sha256(parent) if parent else None,
@@ -60,7 +62,7 @@ def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, ru
     log.info("%s: running -> %s", name, out_dir)
     started = time.perf_counter()
     try:
-        mains[name](cfg, run)
+        mains[base](cfg, run)
     finally:
         finish_tracking()
     log.info("%s: done in %.1f s", name, time.perf_counter() - started)
@@ -91,7 +93,7 @@ def run_pipeline(cfg) -> Path:
         stage_dirs.append(out)
         if name in SIDE_STAGES:
             inputs[name] = out
-        else:
+        elif name.partition(":")[0] not in LEAF_STAGES:
             parent = out
     if cfg.pipeline.evaluate:
         card = write_scorecard(run_dir, stage_dirs, cfg.eval, cfg.seed)

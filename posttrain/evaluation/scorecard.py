@@ -38,7 +38,7 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, seed: int = 0) -> dict:
     manifest = verify_artifact(stage_dir)
     model = AutoModelForCausalLM.from_pretrained(stage_dir / "model")
     tokenizer = AutoTokenizer.from_pretrained(stage_dir / "model")
-    label = checkpoint_label(manifest["stage"])
+    label = manifest.get("label") or checkpoint_label(manifest["stage"])
     row = {
         "checkpoint": label,
         "stage": manifest["stage"],
@@ -75,7 +75,7 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) 
         elif name == "pku_saferlhf":
             kwargs = dict(eval_cfg.pku_saferlhf)
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
-    rows, shifts = [], {}
+    rows, shifts, quantization = [], {}, {}
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
         if manifest.get("stage") in NOT_GENERATORS:
@@ -83,14 +83,49 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) 
         rows.append(score_checkpoint(stage_dir, suites, eval_cfg, seed))
         if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
             shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
+        if manifest.get("stage") == "quantize":
+            quantization[rows[-1]["checkpoint"]] = quantization_summary(manifest)
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
-            "written_at": now()}
+            "quantization": quantization, "written_at": now()}
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
     tmp = Path(run_dir) / ".scorecard.md.tmp"
     tmp.write_text(markdown)
     tmp.replace(Path(run_dir) / "scorecard.md")
     return card
+
+
+def quantization_summary(manifest: dict) -> dict:
+    m = manifest["metrics"]
+    parent = (read_manifest(Path(manifest["parent"]["path"])) or {}) if manifest.get("parent") else {}
+    return {
+        "label": m["label"], "parent": parent.get("label") or checkpoint_label(parent.get("stage", "?")),
+        "size_mb": m["size_bytes"] / 2**20, "parent_size_mb": m["parent_size_bytes"] / 2**20,
+        "bytes_per_param": m["bytes_per_param"], "mean_of_spread": m["mean_of_spread"],
+        "perplexity": m["perplexity"], "format_errors": m["format_errors"],
+    }
+
+
+def render_quantization(card: dict) -> list[str]:
+    """Per quantized checkpoint: what it saved, what it cost in held-out perplexity and in each suite's score."""
+    by_label = {r["checkpoint"]: r for r in card["rows"]}
+    suites = card["suites"]
+    head = ["checkpoint", "format", "size MB (parent)", "bytes/param", "error / spread", "perplexity change"]
+    head += [f"{HEADERS.get(s, s)} vs parent" for s in suites]
+    lines = ["", "## Quantization", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, q in card.get("quantization", {}).items():
+        parent = by_label.get(q["parent"], {})
+        spread = f"{q['mean_of_spread']:.3f}" if q["mean_of_spread"] is not None else "n/a"
+        cells = [label, q["label"], f"{q['size_mb']:.2f} ({q['parent_size_mb']:.2f})", f"{q['bytes_per_param']:.3f}",
+                 spread, f"{100 * q['perplexity']['change']:+.2f}%"]
+        cells += [f"{by_label[label][s] - parent[s]:+.3f}" if s in parent else "n/a" for s in suites]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = next(iter(card.get("quantization", {}).values()), None)
+    if first:
+        table = ", ".join(f"{k}: {v['of_spread']:.3f}" for k, v in first["format_errors"].items())
+        lines += ["", f"Round-to-nearest error of each format on {first['parent']}'s weights, as a fraction of "
+                      f"their spread (rms error / std): {table}"]
+    return lines
 
 
 def render_markdown(card: dict) -> str:
@@ -114,4 +149,6 @@ def render_markdown(card: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     for label, shift in card.get("likelihood_shift", {}).items():
         lines += ["", f"Likelihood shift of {label} against its reference: {render_shift(shift)}"]
+    if card.get("quantization"):
+        lines += render_quantization(card)
     return "\n".join(lines) + "\n"

@@ -1,0 +1,417 @@
+"""Write quantized weights as a Hugging Face model directory that transformers and vLLM load, and read it back.
+
+Layouts (one per format, chosen by `fmt`):
+
+- int8 / int4 / fp8: compressed-tensors (`quantization_config.quant_method == "compressed-tensors"`), the
+  layout vLLM serves as W8A16 / W4A16 (Marlin/Machete WNA16 kernels) and FP8 weight-only (W8A16-FP8).
+  int8 (per channel) and int4 (group-wise) are `format: "pack-quantized"`: per Linear `weight_packed` int32
+  [out, in * bits / 32], `weight_scale` [out, 1] (int8) or [out, in // group] (int4), `weight_shape` int64 [2],
+  and for asymmetric int4 `weight_zero_point` int32 [out * 4 / 32, in // group] (packed along rows).
+  fp8 is `format: "float-quantized"`: `weight` float8_e4m3fn [out, in] and `weight_scale` [out, 1].
+  Packing and the config come from the compressed-tensors library (`pack_to_int32`, `QuantizationConfig`,
+  `ModelCompressor.update_config`). compressed-tensors stores signed codes: its packer adds 2^(bits-1) before
+  packing, so asymmetric int4 codes and zero points (canonical [0, 15]) are stored shifted by -8; the difference
+  q - zero, and so the dequantized weight, is unchanged.
+- nf4: the bitsandbytes serialisation transformers writes for a `load_in_4bit` NF4 model: `weight` (packed
+  uint8) plus `weight.absmax`, `weight.quant_map`, `weight.quant_state.bitsandbytes__nf4` (and the nested keys
+  under double quantization), `quantization_config.quant_method == "bitsandbytes"`.
+
+Scales are written as fp32 whatever the model dtype, so that `load_quantized` returns exactly the exported
+scales (transformers and vLLM cast them to the dtype they run in). `lm_head` and every Linear that is not in
+`quantized` stay in float and are listed in `ignore` (`llm_int8_skip_modules` for nf4). vLLM fuses q/k/v and
+gate/up projections: it needs those siblings all quantized or all ignored.
+
+Loading the export with transformers on CPU (checked by tests/unit/test_quant_export.py):
+
+    AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+        # int8/int4/fp8: compressed-tensors keeps the weights packed and decompresses them to float on the
+        # first forward pass (a forward pre-hook); no extra option is needed.
+    AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                         quantization_config=CompressedTensorsConfig(dequantize=True))
+        # dequantizes at load time instead (`run_compressed=False` is the deprecated spelling of this).
+    AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+        # nf4: bitsandbytes Linear4bit modules (double quantization too), dequantized in each matmul (slow on CPU).
+    Asymmetric int4 needs `dequantize=True`: with compressed-tensors 0.20.1 the default path fails with a
+    weight_zero_point size mismatch (the library skips packing zero points on the meta device that
+    transformers 5 loads on); the checkpoint itself holds the packed zero points vLLM reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from posttrain.artifacts import weight_files
+from posttrain.quant.formats import FORMATS, QuantizedWeight
+
+INDEX_NAME = "model.safetensors.index.json"
+PROVENANCE_NAME = "quantize.json"
+NOT_COPIED = {"config.json", INDEX_NAME, PROVENANCE_NAME}
+KEPT_IN_FLOAT = "lm_head"  # vLLM and transformers expect the output projection unquantized
+_CODE_RANGE = {("int8", True): (-127, 127), ("int4", True): (-8, 7), ("int4", False): (0, 15)}
+_INT4_OFFSET = 8  # compressed-tensors stores 4-bit codes signed: canonical asymmetric [0, 15] -> [-8, 7]
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_quantized(
+    src_dir: str | Path,
+    quantized: dict[str, QuantizedWeight],
+    out_dir: str | Path,
+    fmt: str,
+    group_size: int | None = None,
+    symmetric: bool = True,
+    method: str = "rtn",
+) -> Path:
+    """Write `src_dir` with the Linear weights named in `quantized` (module name -> weight) replaced.
+
+    Everything is written into a hidden sibling directory that is renamed to `out_dir` only once complete, so
+    `out_dir` either does not exist or is finished; a failed export removes its temp directory (a process
+    killed outright leaves a `.<name>.partial-*` sibling, never `out_dir`). `out_dir` must not exist.
+    """
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    if not quantized:
+        raise ValueError("nothing to export: `quantized` is empty")
+    if out_dir.exists():
+        raise FileExistsError(f"export target {out_dir} already exists; refusing to overwrite it")
+    shards = _source_shards(src_dir)
+    shapes = _checkpoint_shapes(shards)
+    group_size = _common_group_size(quantized, fmt, group_size)
+    for name, qw in quantized.items():
+        _check_quantized_weight(name, qw, shapes, fmt, group_size, symmetric)
+    ignore = _float_linear_names(src_dir, quantized)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp_dir.mkdir()
+    try:
+        _write_weights(shards, quantized, tmp_dir)
+        _copy_side_files(src_dir, tmp_dir)
+        if fmt == "nf4":
+            _write_bnb_config(src_dir, tmp_dir, quantized, ignore)
+        else:
+            _write_compressed_tensors_config(src_dir, tmp_dir, fmt, group_size, symmetric, ignore)
+        provenance = {"format": fmt, "method": method, "group_size": group_size, "symmetric": symmetric,
+                      "scale_dtype": "float32", "quantized_modules": sorted(quantized), "float_linears": ignore,
+                      "source": str(src_dir)}
+        (tmp_dir / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+        os.rename(tmp_dir, out_dir)  # the commit point: same filesystem, so atomic
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _source_shards(src_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or the single model.safetensors."""
+    index = src_dir / INDEX_NAME
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [src_dir / name for name in names]
+    single = src_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{src_dir} has neither model.safetensors nor {INDEX_NAME}")
+    return [single]
+
+
+def _checkpoint_shapes(shards: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, read from the safetensors headers only (no tensor data is loaded)."""
+    shapes = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _common_group_size(quantized: dict[str, QuantizedWeight], fmt: str, group_size: int | None) -> int | None:
+    """The one group size of the export: `group_size` if given, else the weights' (which must all agree)."""
+    if fmt in ("int8", "fp8"):
+        if group_size is not None:
+            raise ValueError(f"{fmt} is per output channel: group_size must be None, got {group_size}")
+        return None
+    if group_size is not None:
+        return group_size
+    sizes = {qw.group_size for qw in quantized.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"{fmt} export needs one group size; the quantized weights have {sorted(sizes, key=str)}")
+    return sizes.pop()
+
+
+def _check_quantized_weight(name: str, qw: QuantizedWeight, shapes: dict, fmt: str, group_size: int | None,
+                            symmetric: bool) -> None:
+    """Raise if `qw` cannot be written as module `name` of this export (names the module and what is wrong)."""
+    key = f"{name}.weight"
+    if key not in shapes:
+        raise KeyError(f"quantized module {name!r} has no tensor {key!r} in the source checkpoint")
+    if name.split(".")[-1] == KEPT_IN_FLOAT:
+        raise ValueError(f"{name!r}: {KEPT_IN_FLOAT} stays in float in this export (listed in `ignore`)")
+    if (qw.fmt, qw.group_size, qw.symmetric) != (fmt, group_size, symmetric):
+        raise ValueError(f"{name!r} is (fmt, group_size, symmetric) = {(qw.fmt, qw.group_size, qw.symmetric)}, "
+                         f"the export is {(fmt, group_size, symmetric)}")
+    out_features, in_features = shapes[key]
+    if tuple(qw.shape) != (out_features, in_features):
+        raise ValueError(f"{name!r}: quantized shape {tuple(qw.shape)} != checkpoint {key} {shapes[key]}")
+    if fmt == "nf4":
+        state = qw.quant_state
+        if state is None or state.quant_type != "nf4" or tuple(state.shape) != tuple(qw.shape):
+            raise ValueError(f"{name!r}: nf4 needs a bitsandbytes nf4 quant_state of shape {tuple(qw.shape)}")
+        if qw.qweight.dtype != torch.uint8 or state.blocksize != group_size:
+            raise ValueError(f"{name!r}: nf4 needs packed uint8 codes and blocksize {group_size}, got "
+                             f"{qw.qweight.dtype} and {state.blocksize}")
+        return
+    code_dtype = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+    if qw.qweight.dtype != code_dtype or tuple(qw.qweight.shape) != tuple(qw.shape):
+        raise ValueError(f"{name!r}: codes must be {code_dtype} {tuple(qw.shape)}, got {qw.qweight.dtype} "
+                         f"{tuple(qw.qweight.shape)}")
+    scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
+    if qw.scale is None or tuple(qw.scale.shape) != scale_shape:
+        got = None if qw.scale is None else tuple(qw.scale.shape)
+        raise ValueError(f"{name!r}: scale must have shape {scale_shape}, got {got}")
+    if fmt == "fp8":
+        return
+    low, high = _CODE_RANGE[(fmt, symmetric)]
+    # Out-of-range codes would be silently corrupted by bit packing.
+    _check_range(f"{name!r} codes", qw.qweight, low, high)
+    if not symmetric:
+        if qw.zero is None or qw.zero.dtype != torch.int8 or tuple(qw.zero.shape) != scale_shape:
+            raise ValueError(f"{name!r}: asymmetric int4 needs int8 zero points of shape {scale_shape}")
+        _check_range(f"{name!r} zero points", qw.zero, 0, 15)
+
+
+def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
+    if values.numel() and (values.min() < low or values.max() > high):
+        raise ValueError(f"{what} span [{values.min().item()}, {values.max().item()}], expected [{low}, {high}]")
+
+
+def _float_linear_names(src_dir: Path, quantized: dict[str, QuantizedWeight]) -> list[str]:
+    """The `ignore` list: lm_head, then every other nn.Linear of the model that is not quantized.
+
+    Builds the model on the meta device (no memory) to know which modules are Linear; a quantized name that
+    is not a Linear is an error, since neither compressed-tensors nor bitsandbytes would pick it up.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src_dir))
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    for name in quantized:
+        if name not in linears:
+            raise ValueError(f"quantized module {name!r} is not an nn.Linear of the model in {src_dir}")
+    return [KEPT_IN_FLOAT] + sorted(linears - set(quantized) - {KEPT_IN_FLOAT})
+
+
+def _write_weights(shards: list[Path], quantized: dict[str, QuantizedWeight], out_dir: Path) -> None:
+    """Each source shard -> a shard of the same name with its quantized Linears replaced; index if sharded."""
+    weight_map, total_bytes = {}, 0
+    for shard in shards:
+        tensors = {}
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                module = key.removesuffix(".weight")
+                if module in quantized and key.endswith(".weight"):
+                    for local, tensor in _serialized_tensors(quantized[module]).items():
+                        tensors[f"{module}.{local}"] = tensor
+                else:
+                    tensors[key] = f.get_tensor(key)  # copied unchanged: same dtype and values
+        save_file(tensors, out_dir / shard.name, metadata={"format": "pt"})
+        weight_map.update({key: shard.name for key in tensors})
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _serialized_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """One Linear's tensors under their module-local checkpoint names (`weight_packed`, `weight_scale`, ...)."""
+    out_features, in_features = qw.shape
+    if qw.fmt == "nf4":
+        state = {f"weight.{key}": value for key, value in qw.quant_state.as_dict(packed=True).items()}
+        return {"weight": qw.qweight.contiguous(), **state}
+    scale = qw.scale.float().reshape(out_features, -1).contiguous()  # channel: [out, 1]; group: [out, n_groups]
+    if qw.fmt == "fp8":
+        return {"weight": qw.qweight.contiguous(), "weight_scale": scale}
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    bits = 8 if qw.fmt == "int8" else 4
+    codes = qw.qweight if qw.symmetric else qw.qweight - _INT4_OFFSET  # int8 [out, in], signed
+    tensors = {
+        "weight_packed": pack_to_int32(codes.contiguous(), bits),  # int32 [out, in * bits / 32]
+        "weight_scale": scale,
+        "weight_shape": torch.tensor([out_features, in_features]),
+    }
+    if not qw.symmetric:
+        # Zero points are packed along the output dim (dim 0), as compressed-tensors and vLLM expect.
+        tensors["weight_zero_point"] = pack_to_int32((qw.zero - _INT4_OFFSET).contiguous(), bits, packed_dim=0)
+    return tensors
+
+
+def _copy_side_files(src_dir: Path, out_dir: Path) -> None:
+    """Tokenizer files, generation config, chat template, ...: every top-level file that is not a weight."""
+    weights = {path.name for path in weight_files(src_dir)}
+    for path in sorted(src_dir.iterdir()):
+        if path.is_file() and path.name not in weights and path.name not in NOT_COPIED:
+            shutil.copy2(path, out_dir / path.name)
+
+
+def _compressed_tensors_scheme(fmt: str, group_size: int | None, symmetric: bool):
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if fmt == "fp8":  # weight-only: no input_activations, so activations stay in float
+        weights = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
+        return QuantizationScheme(targets=["Linear"], weights=weights, format=CompressionFormat.float_quantized)
+    if fmt == "int8":
+        weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
+    else:
+        weights = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size,
+                                   symmetric=symmetric)
+    return QuantizationScheme(targets=["Linear"], weights=weights, format=CompressionFormat.pack_quantized)
+
+
+def _write_compressed_tensors_config(src_dir: Path, out_dir: Path, fmt: str, group_size: int | None,
+                                     symmetric: bool, ignore: list[str]) -> None:
+    """config.json from the source plus the compressed-tensors `quantization_config`, written by the library."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    scheme = _compressed_tensors_scheme(fmt, group_size, symmetric)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=scheme.format, ignore=ignore,
+                                quantization_status=QuantizationStatus.COMPRESSED)
+    shutil.copy2(src_dir / "config.json", out_dir / "config.json")
+    ModelCompressor(quantization_config=config).update_config(str(out_dir))
+
+
+def _write_bnb_config(src_dir: Path, out_dir: Path, quantized: dict[str, QuantizedWeight],
+                      ignore: list[str]) -> None:
+    """config.json with the `quantization_config` transformers writes for a load_in_4bit NF4 model."""
+    from transformers import BitsAndBytesConfig
+
+    config = json.loads((src_dir / "config.json").read_text())
+    nested = {qw.quant_state.nested for qw in quantized.values()}
+    if len(nested) > 1:
+        raise ValueError("nf4 export needs double quantization on all modules or none; the weights mix both")
+    compute_dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                             bnb_4bit_use_double_quant=bool(nested and nested.pop()),
+                             llm_int8_skip_modules=ignore)
+    config["quantization_config"] = bnb.to_dict()
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------- read back
+
+
+def load_quantized(model_dir: str | Path) -> tuple[object, dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """Read an export back -> (transformers config, module name -> canonical QuantizedWeight, float tensors).
+
+    The inverse of `export_quantized`: codes are unpacked and shifted back to the canonical ranges, scales and
+    zero points come back exactly as exported. The float tensors (embeddings, norms, float Linears) are the
+    checkpoint's other tensors, unchanged, keyed by their checkpoint names.
+    """
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if raw is None:
+        raise ValueError(f"{model_dir / 'config.json'} has no quantization_config: not a quantized export")
+    tensors = {}
+    for shard in _source_shards(model_dir):
+        with safe_open(shard, framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        quantized = _read_compressed_tensors(raw, tensors)
+    elif method == "bitsandbytes":
+        quantized = _read_bnb_nf4(tensors)
+    else:
+        raise ValueError(f"{model_dir}: quant_method {method!r} is neither 'compressed-tensors' nor 'bitsandbytes'")
+    return AutoConfig.from_pretrained(model_dir), quantized, tensors
+
+
+def size_on_disk(model_dir: str | Path) -> int:
+    """Bytes of the directory's weight files (safetensors shards with their headers; config/tokenizer excluded)."""
+    return sum(path.stat().st_size for path in weight_files(Path(model_dir)))
+
+
+def _canonical_format(weights) -> str:
+    """The `formats.FORMATS` name of a compressed-tensors weight scheme this module writes."""
+    kind = (weights.type, weights.num_bits, weights.strategy)
+    if kind == ("float", 8, "channel"):
+        return "fp8"
+    if kind == ("int", 8, "channel") and weights.symmetric:
+        return "int8"
+    if kind == ("int", 4, "group"):
+        return "int4"
+    raise ValueError(f"compressed-tensors weight scheme (type, bits, strategy) = {kind} has no canonical format")
+
+
+def _pop_module(tensors: dict[str, torch.Tensor], module: str, required: tuple[str, ...]) -> dict:
+    """Remove module `module`'s tensors from `tensors` -> {local name: tensor}; raise naming a missing one."""
+    prefix = f"{module}."
+    local = {key[len(prefix):]: tensors.pop(key) for key in [k for k in tensors if k.startswith(prefix)]}
+    missing = [f"{prefix}{name}" for name in required if name not in local]
+    if missing:
+        raise KeyError(f"quantized module {module!r} lacks {missing} in the checkpoint")
+    return local
+
+
+def _read_compressed_tensors(raw: dict, tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(raw)
+    if len(config.config_groups) != 1:
+        raise ValueError(f"expected one compressed-tensors config group, found {sorted(config.config_groups)}")
+    weights = next(iter(config.config_groups.values())).weights
+    fmt = _canonical_format(weights)
+    modules = sorted(key.removesuffix(".weight_scale") for key in tensors if key.endswith(".weight_scale"))
+    quantized = {}
+    for module in modules:
+        if fmt == "fp8":
+            local = _pop_module(tensors, module, ("weight", "weight_scale"))
+            codes = local["weight"]  # float8_e4m3fn [out, in]
+            quantized[module] = QuantizedWeight("fp8", codes, local["weight_scale"].float().reshape(-1),
+                                                shape=tuple(codes.shape))
+            continue
+        required = ("weight_packed", "weight_scale", "weight_shape")
+        local = _pop_module(tensors, module, required + (() if weights.symmetric else ("weight_zero_point",)))
+        shape = tuple(int(v) for v in local["weight_shape"].tolist())
+        codes = unpack_from_int32(local["weight_packed"], weights.num_bits, torch.Size(shape))  # int8 [out, in]
+        scale = local["weight_scale"].float()
+        if fmt == "int8":
+            quantized[module] = QuantizedWeight("int8", codes, scale.reshape(-1), shape=shape)
+            continue
+        zero = None
+        if not weights.symmetric:
+            zero = unpack_from_int32(local["weight_zero_point"], 4, scale.shape, packed_dim=0) + _INT4_OFFSET
+            codes = codes + _INT4_OFFSET
+        quantized[module] = QuantizedWeight("int4", codes, scale, zero, weights.group_size, weights.symmetric, shape)
+    return quantized
+
+
+def _read_bnb_nf4(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    import bitsandbytes.functional as bnb_functional
+
+    marker = ".weight.quant_state.bitsandbytes__"
+    modules = sorted(key.split(marker)[0] for key in tensors if marker in key)
+    quantized = {}
+    for module in modules:
+        packed = tensors.pop(f"{module}.weight")
+        local = _pop_module(tensors, f"{module}.weight", ("absmax", "quant_map"))
+        state = bnb_functional.QuantState.from_dict(local, device=torch.device("cpu"))
+        if state.quant_type != "nf4":
+            raise ValueError(f"{module!r}: bitsandbytes quant_type {state.quant_type!r}, expected 'nf4'")
+        quantized[module] = QuantizedWeight("nf4", packed, None, None, state.blocksize, True, tuple(state.shape),
+                                            state)
+    return quantized

@@ -1,0 +1,200 @@
+"""Quantization formats as pure functions: quantize a float weight, dequantize it back, measure the error.
+
+The canonical form (`QuantizedWeight`) keeps integer codes unpacked so that every consumer can pack them its
+own way. A weight `w` of shape [out, in] is approximated as:
+
+- int8 (per output channel, symmetric): w ~ q * scale[:, None]; q int8 in [-127, 127], scale fp32 [out]
+- int4 (group-wise along `in`): w ~ (q - zero) * scale, expanded per group of `group_size` input columns;
+  q int8 holding 4-bit codes, symmetric: q in [-8, 7] and zero is None; asymmetric: q in [0, 15] and
+  zero int8 [out, in // group_size] in [0, 15]; scale fp32 [out, in // group_size]
+- fp8 (E4M3, per output channel): w ~ q.float() * scale[:, None]; q torch.float8_e4m3fn, scale fp32 [out]
+- nf4 (bitsandbytes, block-wise absmax): q is the bitsandbytes packed uint8 tensor, quant_state its QuantState
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = ("int8", "int4", "fp8", "nf4")
+
+
+@dataclass
+class QuantizedWeight:
+    fmt: str  # one of FORMATS
+    qweight: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None = None
+    group_size: int | None = None
+    symmetric: bool = True
+    shape: tuple[int, int] = (0, 0)  # [out, in] of the float weight
+    quant_state: object | None = None  # nf4 only: the bitsandbytes QuantState
+
+INT4_DEFAULT_GROUP_SIZE = 128  # int4 with group_size=None uses this (the usual GPTQ/AWQ default)
+NF4_DEFAULT_BLOCKSIZE = 64  # bitsandbytes' usual NF4 block size
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+# Integer code ranges (inclusive) per format and symmetry.
+_CODE_RANGE = {("int8", True): (-127, 127), ("int4", True): (-8, 7), ("int4", False): (0, 15)}
+# Symmetric scale = absmax / this, so that the largest weight maps to the largest positive code.
+_SYM_DIVISOR = {"int8": 127.0, "int4": 7.0, "fp8": FP8_E4M3_MAX}
+
+
+def resolve_group_size(fmt: str, group_size: int | None, in_features: int) -> int | None:
+    """The group size a format will use for a weight with `in_features` columns; raises on a bad combination.
+
+    int8 and fp8 are per output channel (group_size must be None); int4 defaults to 128 and nf4 to 64. A group
+    must divide `in_features` so that groups never straddle rows (for nf4 this keeps bitsandbytes' flat blocks
+    aligned with rows, so each block is a group of one row's input columns).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if fmt in ("int8", "fp8"):
+        if group_size is not None:
+            raise ValueError(f"{fmt} is per output channel: group_size must be None, got {group_size}")
+        return None
+    if group_size is None:
+        group_size = INT4_DEFAULT_GROUP_SIZE if fmt == "int4" else NF4_DEFAULT_BLOCKSIZE
+    if group_size <= 0 or in_features % group_size != 0:
+        raise ValueError(
+            f"{fmt} group_size {group_size} must be positive and divide the weight's in_features {in_features}"
+        )
+    return group_size
+
+
+def _check_symmetry(fmt: str, symmetric: bool) -> None:
+    if not symmetric and fmt != "int4":
+        raise ValueError(f"{fmt} is symmetric only in this contract; asymmetric (symmetric=False) is int4 only")
+
+
+def choose_scale_zero(w: torch.Tensor, fmt: str, symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) for each row of `w` [..., k], reducing over the last dim -> scale [...] fp32.
+
+    Symmetric: scale = absmax / (largest positive code), zero None. Asymmetric int4: the range [min, max] is
+    widened to include 0 (so the integer zero point lands in [0, 15] and a weight of 0 is exact), scale =
+    (max - min) / 15, zero = round(-min / scale). An all-zero row gets scale 1 so that its codes are 0.
+    """
+    _check_symmetry(fmt, symmetric)
+    w = w.float()
+    if symmetric:
+        scale = w.abs().amax(dim=-1) / _SYM_DIVISOR[fmt]
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), None
+    w_min = w.amin(dim=-1).clamp(max=0.0)
+    w_max = w.amax(dim=-1).clamp(min=0.0)
+    scale = (w_max - w_min) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-w_min / scale).clamp(0, 15).to(torch.int8)
+    return scale, zero
+
+
+def quantize_codes(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: str
+) -> torch.Tensor:
+    """Round `w` [..., k] to codes with a fixed scale [...] (and zero [...] for asymmetric int4).
+
+    Returns int8 codes for int8/int4, float8_e4m3fn for fp8. GPTQ calls this one column at a time with the
+    group's scale fixed when the group started.
+    """
+    scaled = w.float() / scale.unsqueeze(-1)
+    if fmt == "fp8":
+        # Clamp first: a ratio a hair above 448 from float rounding must not depend on the cast's overflow rule.
+        return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    symmetric = zero is None
+    if (fmt, symmetric) not in _CODE_RANGE:
+        raise ValueError(f"quantize_codes: no integer code range for fmt={fmt!r}, symmetric={symmetric}")
+    low, high = _CODE_RANGE[(fmt, symmetric)]
+    if not symmetric:
+        scaled = scaled + zero.unsqueeze(-1).float()
+    return torch.round(scaled).clamp(low, high).to(torch.int8)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """(codes - zero) * scale for codes [..., k] and scale/zero [...] -> fp32 [..., k]."""
+    values = codes.float()
+    if zero is not None:
+        values = values - zero.unsqueeze(-1).float()
+    return values * scale.unsqueeze(-1)
+
+
+def quantize_weight(
+    w: torch.Tensor, fmt: str, group_size: int | None = None, symmetric: bool = True
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of a float weight `w` [out, in] into the canonical `QuantizedWeight`."""
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(w.shape)}")
+    out_features, in_features = w.shape
+    group_size = resolve_group_size(fmt, group_size, in_features)
+    _check_symmetry(fmt, symmetric)
+    w = w.detach().float()
+    shape = (out_features, in_features)
+    if fmt == "nf4":
+        return _quantize_nf4(w, group_size)
+    if fmt in ("int8", "fp8"):
+        scale, _ = choose_scale_zero(w, fmt)  # [out]
+        return QuantizedWeight(fmt, quantize_codes(w, scale, None, fmt), scale, shape=shape)
+    # int4: view as [out, n_groups, group_size] and reduce each group.
+    grouped = w.reshape(out_features, in_features // group_size, group_size)
+    scale, zero = choose_scale_zero(grouped, fmt, symmetric)  # [out, n_groups]
+    codes = quantize_codes(grouped, scale, zero, fmt).reshape(out_features, in_features)
+    return QuantizedWeight(fmt, codes, scale, zero, group_size, symmetric, shape)
+
+
+def _quantize_nf4(w: torch.Tensor, blocksize: int) -> QuantizedWeight:
+    # Imported here: bitsandbytes is an optional dependency (the `gpu` extra) and slow to import.
+    import bitsandbytes.functional as bnb_functional
+
+    packed, quant_state = bnb_functional.quantize_4bit(w.contiguous(), blocksize=blocksize, quant_type="nf4")
+    # scale stays None: the block absmax lives in quant_state (one source of truth for the bitsandbytes state).
+    return QuantizedWeight("nf4", packed, None, None, blocksize, True, tuple(w.shape), quant_state)
+
+
+def dequantize_weight(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference dequantization of `q` -> a dense [out, in] tensor of `dtype` (materialised in full)."""
+    if q.fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {q.fmt!r}; expected one of {FORMATS}")
+    if q.fmt == "nf4":
+        import bitsandbytes.functional as bnb_functional
+
+        return bnb_functional.dequantize_4bit(q.qweight, q.quant_state).reshape(q.shape).to(dtype)
+    if q.fmt in ("int8", "fp8"):
+        return dequantize_codes(q.qweight, q.scale, None).to(dtype)
+    out_features, in_features = q.shape
+    grouped = q.qweight.reshape(out_features, in_features // q.group_size, q.group_size)
+    return dequantize_codes(grouped, q.scale, q.zero).reshape(out_features, in_features).to(dtype)
+
+
+def weight_error(w: torch.Tensor, q: QuantizedWeight) -> dict[str, float]:
+    """How far dequantize(q) is from `w` [out, in], in float64.
+
+    rel_error: ||w - deq||_F / ||w||_F. of_spread: rms(w - deq) / std(w), the error as a fraction of the
+    weights' spread (int4 g128 on Gaussian weights is about 0.1). max_abs: the largest absolute error.
+    """
+    if tuple(w.shape) != tuple(q.shape):
+        raise ValueError(f"weight shape {tuple(w.shape)} does not match the quantized shape {tuple(q.shape)}")
+    w64 = w.detach().double()
+    diff = w64 - dequantize_weight(q, torch.float64)
+    return {
+        "rel_error": (diff.norm() / w64.norm()).item(),
+        "of_spread": (diff.pow(2).mean().sqrt() / w64.std()).item(),
+        "max_abs": diff.abs().max().item(),
+    }
+
+
+def bytes_per_param(q: QuantizedWeight, scale_bytes: int = 2) -> float:
+    """Storage per weight element as an export would lay it out, codes at their real packed width.
+
+    Codes: int8 and fp8 1 byte, int4 and nf4 0.5 byte (two codes per byte). Scales: `scale_bytes` each, default
+    2 because the compressed-tensors export stores scales in the model dtype (bf16/fp16). int4 zero points: 4
+    bits each (compressed-tensors packs them like the codes). nf4: bitsandbytes' own absmax at its real dtype
+    (fp32, 4 bytes per block, no double quantization), ignoring `scale_bytes`.
+    """
+    out_features, in_features = q.shape
+    n_params = out_features * in_features
+    if q.fmt == "nf4":
+        absmax = q.quant_state.absmax
+        return 0.5 + absmax.numel() * absmax.element_size() / n_params
+    code_bytes = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}[q.fmt]
+    scale_total = q.scale.numel() * scale_bytes
+    zero_total = q.zero.numel() * 0.5 if q.zero is not None else 0.0
+    return code_bytes + (scale_total + zero_total) / n_params

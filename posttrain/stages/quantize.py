@@ -1,0 +1,199 @@
+"""Quantize stage: parent model -> int8 / int4 / FP8 / NF4 weights, exported in a layout transformers and vLLM load.
+
+One variant per stage (`quantize:<name>` in a pipeline): round-to-nearest, GPTQ or AWQ, the latter two calibrated
+on the model's own SFT rows rendered through its chat template. The manifest reports what the format costs:
+size on disk, bytes per parameter with scales, each layer's error (relative, and as a fraction of the weights'
+spread), held-out perplexity against the parent, and the round-to-nearest error of every other format on the
+same weights, so one artifact answers "what would int4 g32 or fp8 have cost".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+from posttrain import training
+from posttrain.artifacts import write_manifest
+from posttrain.training import StageRun
+
+log = logging.getLogger("posttrain")
+
+# The formats the error table compares on the parent's weights (round to nearest, no data needed).
+COMPARED_FORMATS = [("int8", None, True), ("int4", 32, True), ("int4", 64, True), ("int4", 128, True),
+                    ("int4", 128, False), ("fp8", None, True), ("nf4", 64, True)]
+
+
+def format_label(fmt: str, group_size: int | None, symmetric: bool) -> str:
+    label = fmt if group_size is None or fmt in ("int8", "fp8") else f"{fmt} g{group_size}"
+    return label if symmetric or fmt != "int4" else label + " asym"
+
+
+def rendered_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
+    return [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False) for r in rows]
+
+
+def calibration_ids(tokenizer, rows: list[dict], length: int):
+    """The rendered rows as one token stream cut into [n, length] sequences (GPTQ's and AWQ's usual input)."""
+    import torch
+
+    stream = [t for ids in rendered_ids(tokenizer, rows) for t in ids]
+    n = len(stream) // length
+    if n == 0:
+        raise ValueError(f"calibration rows hold {len(stream)} tokens, fewer than one sequence of {length}")
+    return torch.tensor(stream[: n * length]).view(n, length)
+
+
+def perplexity(model, sequences: list[tuple[list[int], list[int]]]) -> float:
+    """exp(mean NLL) of the assistant tokens of each held-out (ids, assistant mask): the replies the model was
+    trained to write. Prompt tokens are left out: the tiny world's prompts hold random words no model predicts."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in sequences:
+            x = torch.tensor([ids])
+            logits = model(x).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
+            keep = torch.tensor(mask[1:], dtype=torch.bool)
+            total += nll[keep].sum().item()
+            count += int(keep.sum())
+    return math.exp(total / count)
+
+
+def layer_errors(originals: dict, quantized: dict) -> list[dict]:
+    from posttrain.quant.formats import weight_error
+
+    return [{"name": name, **weight_error(originals[name], q)} for name, q in quantized.items()]
+
+
+def format_error_table(originals: dict) -> dict[str, dict]:
+    """Round-to-nearest error of each compared format over all quantizable weights (parameter-weighted means)."""
+    from posttrain.quant.formats import bytes_per_param, quantize_weight, weight_error
+
+    table = {}
+    total = sum(w.numel() for w in originals.values())
+    for fmt, group, symmetric in COMPARED_FORMATS:
+        if group and any(w.shape[1] % group for w in originals.values()):
+            continue
+        rel = spread = nbytes = 0.0
+        for w in originals.values():
+            q = quantize_weight(w, fmt, group_size=group, symmetric=symmetric)
+            err = weight_error(w, q)
+            rel += err["rel_error"] * w.numel() / total
+            spread += err["of_spread"] * w.numel() / total
+            nbytes += bytes_per_param(q, scale_bytes=4) * w.numel() / total
+        table[format_label(fmt, group, symmetric)] = {"rel_error": rel, "of_spread": spread, "bytes_per_param": nbytes}
+    return table
+
+
+def main(cfg, run: StageRun) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.loading import load_tokenizer, model_location
+    from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
+    from posttrain.quant.export import export_quantized, size_on_disk
+    from posttrain.quant.formats import bytes_per_param
+    from posttrain.stages.sft import load_rows, tokenize_rows
+
+    # --- config ------------------------------------------------------------------------------------------------
+    training.begin(run)
+    block = run.config["quantize"]
+    name = block["variant"]
+    variant = block["variants"][name]
+    fmt, method, symmetric = variant["fmt"], variant["method"], variant["symmetric"]
+    group = variant["group_size"] if fmt in ("int4", "nf4") else None
+    if method != "rtn" and fmt not in ("int4", "int8"):
+        raise ValueError(f"quantize.variants.{name}: method {method} calibrates int4 / int8 codes; {fmt} uses rtn")
+
+    # --- model and data ----------------------------------------------------------------------------------------
+    if run.parent is None:
+        raise ValueError("the quantize stage needs a parent artifact (parent=<stage dir>)")
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
+    rows, record = load_rows(cfg.data)
+    calib = calibration_ids(tokenizer, rows[: block["calibration_rows"]], block["calibration_length"])
+    held_out = held_out_rows(cfg.data, block["eval_rows"])
+    ids, masks, _ = tokenize_rows(held_out, tokenizer, "held-out", None, {})
+    held_out_ids = list(zip(ids, masks))
+    parent_ppl = perplexity(model, held_out_ids)
+    originals = {  # the float weights, to measure each layer's error against (MoE experts included)
+        name: w.detach().clone()
+        for i, layer in enumerate(decoder_layers(model))
+        for name, w in quantization_targets(layer, f"model.layers.{i}").items()
+    }
+    log.info("quantize %s: %s %s%s on %d calibration sequences of %d tokens", name, method, fmt,
+             f" g{group}" if group else "", calib.shape[0], calib.shape[1])
+
+    # --- quantize ----------------------------------------------------------------------------------------------
+    torch.manual_seed(cfg.seed)
+    quantized = quantize_model(model, method, fmt, group, symmetric, None if method == "rtn" else calib,
+                               damp=block["damp"])
+    quant_ppl = perplexity(model, held_out_ids)  # the model now holds the dequantized weights
+
+    # --- export: from the in-memory model, which carries AWQ's folded scales in its norms ----------------------
+    with tempfile.TemporaryDirectory(dir=run.out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        export_quantized(tmp, quantized, run.model_dir, fmt, group_size=group, symmetric=symmetric, method=method)
+
+    # --- report ------------------------------------------------------------------------------------------------
+    errors = layer_errors(originals, quantized) if method != "awq" else []
+    n_quant = sum(q.shape[0] * q.shape[1] for q in quantized.values())
+    metrics = {
+        "variant": name, "fmt": fmt, "method": method, "group_size": group, "symmetric": symmetric,
+        "label": format_label(fmt, group, symmetric) + ("" if method == "rtn" else f" {method}"),
+        "size_bytes": size_on_disk(run.model_dir),
+        "parent_size_bytes": size_on_disk(location),
+        "bytes_per_param": sum(bytes_per_param(q, scale_bytes=4) * q.shape[0] * q.shape[1]
+                               for q in quantized.values()) / n_quant,
+        "quantized_params": n_quant,
+        "perplexity": {"parent": parent_ppl, "quantized": quant_ppl, "change": quant_ppl / parent_ppl - 1,
+                       "held_out_rows": len(held_out_ids)},
+        "layer_errors": errors,
+        "mean_of_spread": sum(e["of_spread"] for e in errors) / len(errors) if errors else None,
+        "format_errors": format_error_table(originals),
+        "calibration": {"sequences": int(calib.shape[0]), "length": int(calib.shape[1])} if method != "rtn" else None,
+    }
+    log.info("quantize %s: %.2f MB (parent %.2f MB), %.3f bytes/param, held-out perplexity %.4f -> %.4f (%+.2f%%)",
+             name, metrics["size_bytes"] / 2**20, metrics["parent_size_bytes"] / 2**20, metrics["bytes_per_param"],
+             parent_ppl, quant_ppl, 100 * metrics["perplexity"]["change"])
+    parent_label = read_parent_label(run.parent)
+    write_manifest(run.out_dir, stage="quantize", parent=run.parent, config=run.config, config_hash=run.config_hash,
+                   datasets=[dict(record, role="calibration"), held_out_record(held_out)], metrics=metrics,
+                   started_at=run.started_at, extra={"label": f"{parent_label}-{name}", "device": "cpu"})
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
+    return metrics
+
+
+def held_out_rows(data_cfg, n: int) -> list[dict]:
+    """Held-out rows of the same data: the tiny world's test split, or the tail of a real dataset's rows."""
+    if data_cfg.name == "tiny":
+        from posttrain.data.tiny_world import sft_rows
+
+        rows = sft_rows("test", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
+                        data_cfg.safety_decline_rate)
+        return rows[:n]
+    from posttrain.stages.sft import load_rows
+
+    rows, _ = load_rows(data_cfg)
+    return rows[-n:]
+
+
+def held_out_record(rows: list[dict]) -> dict:
+    from posttrain.artifacts import sha256_json
+
+    return {"id": "held-out", "role": "perplexity", "rows": len(rows),
+            "content_sha256": sha256_json([r["messages"] for r in rows])}
+
+
+def read_parent_label(parent: Path) -> str:
+    from posttrain.artifacts import read_manifest
+    from posttrain.evaluation.scorecard import checkpoint_label
+
+    manifest = read_manifest(parent) or {}
+    return manifest.get("label") or checkpoint_label(manifest.get("stage", parent.name))
