@@ -20,7 +20,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast bench venv clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --doctest-modules rewards tests
+
+# Decode tokens/s of the engine vs transformers' generate and vs the read-bandwidth ceiling, measured in one run
+# (about 15 minutes on 2 cores). Run it on a quiet machine: other processes on the same cores halve the figures.
+bench: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/bench_decode.py --json runs/bench_decode.json
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests/unit

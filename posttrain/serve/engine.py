@@ -216,11 +216,49 @@ def split_fused_experts(state: dict, args: ModelArgs) -> dict:
     return state
 
 
-def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: int | None = None) -> Engine:
-    """An engine for a model directory (a pipeline artifact's model/, any HF directory of a supported family)."""
-    from posttrain.models.loading import load_tokenizer, torch_dtype
+def model_from_checkpoint(config, tensors: dict, dtype: torch.dtype) -> Transformer:
+    """Our Transformer from a config and checkpoint tensors (checkpoint names; quantized linears absent)."""
+    args = ModelArgs.from_hf_config(config)
+    inv_freq, scale = rope_inv_freq(config)
+    with torch.device("meta"):
+        model = Transformer(args, inv_freq, float(scale))
+    state = split_fused_experts({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, args)
+    if args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"checkpoint tensors the {args.family} engine does not know: {unexpected[:5]}")
+    model.inv_freq = inv_freq.float()
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model, missing
+
+
+def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: int | None = None,
+                quant_backend: str = "auto") -> Engine:
+    """An engine for a model directory: a pipeline artifact's model/ or any HF directory of a supported family,
+    float or quantized (the compressed-tensors / bitsandbytes exports of the quantize stage), whose quantized
+    linears become fused dequant-matmul modules (`posttrain.quant.linear`)."""
+    import json
+    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype))
-    return Engine(model_from_hf(hf_model), load_tokenizer(location), max_batch=max_batch, max_len=max_len)
+    from posttrain.models.loading import load_tokenizer, torch_dtype
+
+    config_path = Path(location) / "config.json"
+    quantized_dir = config_path.exists() and "quantization_config" in json.loads(config_path.read_text())
+    if quantized_dir:
+        from posttrain.quant.export import load_quantized
+        from posttrain.quant.linear import swap_linears
+
+        config, quantized, tensors = load_quantized(location)
+        model, missing = model_from_checkpoint(config, tensors, torch_dtype(dtype))
+        absent = sorted(set(missing) - {f"{name}.weight" for name in quantized})
+        if absent:
+            raise ValueError(f"{location}: checkpoint lacks {absent[:5]}")
+        swap_linears(model, quantized, torch_dtype(dtype), backend=quant_backend)
+        model.eval()
+    else:
+        model = model_from_hf(AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype)))
+    return Engine(model, load_tokenizer(location), max_batch=max_batch, max_len=max_len)

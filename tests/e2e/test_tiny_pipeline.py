@@ -122,7 +122,7 @@ def test_dpo_trains_on_grpo_against_it_and_reports_the_likelihood_shift(tiny_run
 def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     run_dir, result = tiny_run
     card = json.loads((run_dir / "scorecard.json").read_text())
-    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo", "dpo"]  # the RM is not a generator
+    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo", "dpo", "dpo-int8", "dpo-int4-gptq"]
     assert set(card["likelihood_shift"]) == {"dpo"}
     for row in card["rows"]:
         assert 0.0 <= row["echo"] <= 1.0 and row["echo_n"] == 20 and row["size_mb"] > 0
@@ -132,11 +132,31 @@ def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
         assert 0.0 <= row["safety"] <= 1.0 and row["safety_n"] == 20
         assert 0.0 <= row["over_refusal"] <= 1.0 and row["over_refusal_n"] == 20
     markdown = (run_dir / "scorecard.md").read_text()
-    assert all(f"| {label} |" in markdown for label in ("base", "sft", "grpo", "dpo"))
+    assert all(f"| {label} |" in markdown for label in ("base", "sft", "grpo", "dpo", "dpo-int8", "dpo-int4-gptq"))
+    assert "| dpo-int4-gptq | int4 g128 gptq |" in markdown  # the quantization table
     assert "Likelihood shift of dpo against its reference: chosen log-prob/token" in markdown
     header = ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | safe replies (n) "
               "| benign answered (n) | size MB |")
     assert header in result.stdout  # printed at the end of the run
+
+
+def test_quantized_copies_of_dpo_are_smaller_and_close(tiny_run):
+    """Both quantize stages read dpo (not each other), shrink it, and keep held-out perplexity within 5%."""
+    run_dir, _ = tiny_run
+    for stage_dir, fmt, method in ((run_dir / "05-quantize-int8", "int8", "rtn"),
+                                   (run_dir / "06-quantize-int4-gptq", "int4", "gptq")):
+        manifest = verify_artifact(stage_dir)
+        metrics = manifest["metrics"]
+        assert manifest["parent"]["manifest_sha256"] == manifest_sha256(run_dir / "04-dpo")
+        assert (metrics["fmt"], metrics["method"]) == (fmt, method)
+        assert metrics["size_bytes"] < 0.5 * metrics["parent_size_bytes"]
+        assert abs(metrics["perplexity"]["change"]) < 0.05
+        assert len(metrics["layer_errors"]) == 4 * 7 and 0 < metrics["mean_of_spread"] < 0.3
+        assert {"int8", "int4 g128", "int4 g32", "fp8"} <= set(metrics["format_errors"])
+        config = json.loads((stage_dir / "model" / "config.json").read_text())
+        assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    gptq = json.loads((run_dir / "06-quantize-int4-gptq" / "manifest.json").read_text())["metrics"]
+    assert gptq["calibration"]["sequences"] > 10 and gptq["group_size"] == 128
 
 
 def test_sft_changed_weights_and_lowered_heldout_echo_loss(tiny_run):
@@ -178,7 +198,7 @@ def test_rerun_skips_finished_stages(tiny_run):
     before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in STAGES}
     result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci")
     assert result.returncode == 0, result.stderr[-3000:]
-    for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo"):
+    for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8", "quantize:int4-gptq"):
         assert f"{stage}: up to date" in result.stderr
     after = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in before}
     assert before == after
