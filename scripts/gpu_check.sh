@@ -4,16 +4,20 @@
 # so the missing / pinned packages travel as wheels in .whl/ (git-ignored through .git/info/exclude).
 #
 # Run from the repo root, through the device tool:  command "bash scripts/gpu_check.sh", carry [".whl"],
-# timeout_s ~420. It is sized to end in under ~6 minutes.
-# What comes back under $OUT (8 files at most): pipeline.log, scorecard.md, manifest-NN-<stage>.json (5), unit.log.
-# The runs themselves (model weights) stay under /tmp/gpu-runs on the machine.
+# timeout_s ~520. It is sized to end in under 8 minutes (TOTAL_BUDGET): the pipeline (~2 minutes), the unit tests in
+# whatever time the decode benchmark does not need, then scripts/gpu_decode.py (~3 minutes: Triton kernel checks,
+# bandwidth, decode tokens/s of our engine and of transformers for bf16/int8/int4).
+# What comes back under $OUT (the device tool returns 8 files at most, so the per-stage manifests travel as one
+# file): pipeline.log, scorecard.md, manifests.json ({"NN-<stage>": manifest}), unit.log, gpu_decode.log,
+# gpu_decode.json. The runs themselves (model weights) stay under /tmp/gpu-runs on the machine.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
 RUNS=/tmp/gpu-runs
 RUN=gpu
-BUDGET=340            # seconds the whole script may take before the optional unit tests are skipped / cut
+TOTAL_BUDGET=470      # seconds the whole script may take (the device tool's limit is 600)
+DECODE_RESERVE=210    # seconds kept for scripts/gpu_decode.py; the unit tests get what is left before it
 PIPELINE_LIMIT=240    # seconds for the pipeline itself
 mkdir -p "$OUT"
 START=$SECONDS
@@ -123,17 +127,20 @@ print(f"nvidia-smi while the pipeline ran: {len(rows)} samples, max memory.used 
       f"max utilization {max(util, default=0)} %")
 PY
 
-# --- 4. the small files back: scorecard and one manifest per stage --------------------------------------------------
+# --- 4. the small files back: scorecard and every stage's manifest (in one file) --------------------------------------
 cp "$RUNS/$RUN/scorecard.md" "$OUT/scorecard.md" 2>/dev/null || echo "gpu_check: no scorecard.md was written"
-for dir in "$RUNS/$RUN"/[0-9][0-9]-*/; do
-    [ -f "$dir/manifest.json" ] || { echo "gpu_check: no manifest in $dir"; continue; }
-    cp "$dir/manifest.json" "$OUT/manifest-$(basename "$dir").json"
-done
-python3 - "$OUT" <<'PY' || true
+python3 - "$RUNS/$RUN" "$OUT/manifests.json" <<'PY' || true
 import glob, json, os, sys
 
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "manifest-*.json"))):
-    m = json.load(open(path))
+manifests = {}
+for stage_dir in sorted(glob.glob(os.path.join(sys.argv[1], "[0-9][0-9]-*/"))):
+    path = os.path.join(stage_dir, "manifest.json")
+    if not os.path.isfile(path):
+        print(f"gpu_check: no manifest in {stage_dir}")
+        continue
+    manifests[os.path.basename(os.path.normpath(stage_dir))] = json.load(open(path))
+json.dump(manifests, open(sys.argv[2], "w"), indent=1)
+for m in manifests.values():
     metrics, stage = m.get("metrics", {}), m.get("stage")
     trainer = (m.get("config", {}).get(stage) or {}).get("trainer", {})
     summary = next((h for h in reversed(metrics.get("log_history", [])) if "train_runtime" in h), {})
@@ -146,15 +153,31 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "manifest-*.json"))):
 PY
 if [ -f "$OUT/scorecard.md" ]; then cat "$OUT/scorecard.md"; fi
 
-# --- 5. unit tests, only if time is left ----------------------------------------------------------------------------
-LEFT=$((BUDGET - (SECONDS - START)))
+# --- 5. unit tests, only if time is left before the decode benchmark's reserve ---------------------------------------
+LEFT=$((TOTAL_BUDGET - DECODE_RESERVE - (SECONDS - START)))
 if [ "$LEFT" -gt 30 ]; then
     LIMIT=$((LEFT < 150 ? LEFT : 150))
     say "unit tests (timeout ${LIMIT}s)"
     timeout "$LIMIT" python3 -m pytest -q -x tests/unit -k "not smollm2" -p no:cacheprovider 2>&1 \
         | tee "$OUT/unit.log" || true
 else
-    say "skipping unit tests: ${LEFT}s left of ${BUDGET}s"
+    say "skipping unit tests: ${LEFT}s left before the ${DECODE_RESERVE}s kept for gpu_decode.py"
 fi
-say "done; pipeline exit status $PIPE_RC"
-exit "$PIPE_RC"
+
+# --- 6. decode speed: our engine vs transformers, bf16 / int8 / int4, against the bandwidth ceiling ------------------
+# gpu_decode.py stops starting rows when its --budget-s is spent (a row takes up to ~30 s) and rewrites its JSON
+# after every row, so the hard timeout below, should it strike, still leaves the rows measured so far.
+LEFT=$((TOTAL_BUDGET - (SECONDS - START)))
+DECODE_RC=0
+if [ "$LEFT" -gt 60 ]; then
+    say "gpu_decode.py (budget $((LEFT - 35))s, timeout $((LEFT - 5))s)"
+    timeout "$((LEFT - 5))" python3 scripts/gpu_decode.py --budget-s "$((LEFT - 35))" --json "$OUT/gpu_decode.json" \
+        2>&1 | tee "$OUT/gpu_decode.log" || DECODE_RC=$?
+    say "gpu_decode.py exit status $DECODE_RC (1 = a section failed, 124 = cut at the timeout)"
+else
+    say "skipping gpu_decode.py: ${LEFT}s left of ${TOTAL_BUDGET}s"
+    DECODE_RC=6
+fi
+say "done; pipeline exit status $PIPE_RC, gpu_decode exit status $DECODE_RC"
+if [ "$PIPE_RC" -ne 0 ]; then exit "$PIPE_RC"; fi
+exit "$DECODE_RC"

@@ -88,9 +88,8 @@ class Engine:
         """Run the prompts (rows 0..B-1 of the cache) and return the logits of each one's last token: [B, vocab]."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        padded = [p + [0] * (width - len(p)) for p in prompts]  # right padding; the mask never reads it
+        tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
         pos = torch.arange(width, device=self.device).expand(len(prompts), width)
         return self.model(tokens, pos, slice(0, len(prompts)), width, last=lengths - 1)
 
@@ -126,7 +125,8 @@ class Engine:
     def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         n = len(prompts)
         self.model.setup_cache(self.max_batch, self.max_len)
-        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        generators = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None
+                      for p in params]
         greedy = all(p.temperature == 0 for p in params)
         new: list[list[int]] = [[] for _ in range(n)]
         reason: list[str | None] = [None] * n
