@@ -75,8 +75,13 @@ class Engine:
     """Generation over one model: `generate(prompts, params)` -> one `Completion` per prompt."""
 
     def __init__(self, model: Transformer, tokenizer, max_batch: int = 16, max_len: int | None = None,
-                 stop_token_ids: list[int] | None = None):
+                 stop_token_ids: list[int] | None = None, compile: bool = False):
         self.model, self.tokenizer = model.eval(), tokenizer
+        # compile: the decode step through torch.compile (Inductor fuses the norms, rotations and residual adds
+        # into a few C++ loops: far fewer calls per token). It then attends over the whole cache, so the shapes
+        # stay fixed and the step compiles once per batch size; the first call takes tens of seconds.
+        self.decode_step = torch.compile(model.forward, dynamic=False) if compile else model.forward
+        self.compiled = compile
         self.max_batch = max_batch
         self.max_len = min(max_len or model.args.max_position, model.args.max_position)
         self.eos_ids = set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer))
@@ -97,8 +102,8 @@ class Engine:
     def decode_one_token(self, tokens: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
         """tokens, pos: [B] (the newest token of each row and its cache position; length > every pos)
         -> logits [B, vocab]."""
-        return self.model(tokens[:, None], pos[:, None], slice(0, tokens.shape[0]), length,
-                          last=torch.zeros_like(pos))
+        return self.decode_step(tokens[:, None], pos[:, None], slice(0, tokens.shape[0]),
+                                self.max_len if self.compiled else length, last=torch.zeros_like(pos))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams],
