@@ -175,6 +175,38 @@ def test_smollm2_loads_from_cache_and_chats(smollm2):
     assert "Paris" in reply
 
 
+# --- the serving engine on real weights ------------------------------------------------------------------------------
+@pytest.mark.slow
+@needs_smollm2
+def test_engine_matches_transformers_on_smollm2_and_answers(smollm2):
+    """The engine on SmolLM2's real weights: prompt logits equal transformers' (fp32), greedy replies equal
+    `generate`'s, and int8 keeps the answer."""
+    import torch
+
+    from posttrain.quant.calibrate import quantize_model
+    from posttrain.quant.linear import swap_linears
+    from posttrain.serve.engine import Engine, SamplingParams, load_engine, model_from_hf
+
+    model_cfg, location = smollm2
+    engine = load_engine(location, max_batch=2, max_len=256)
+    hf = loading.load_model(location, model_cfg).eval()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    engine.model.setup_cache(2, 256)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits
+        ours = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], slice(0, 1), len(ids))
+        expect = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    assert (ours - ref).abs().max().item() < 1e-4
+    reply = engine.generate([ids], SamplingParams(max_tokens=16))[0]
+    assert reply.token_ids == expect[: len(reply.token_ids)] and "Paris" in reply.text
+
+    quantized = quantize_model(hf, "rtn", "int8")  # hf now holds the dequantized int8 weights
+    model = swap_linears(model_from_hf(hf), quantized, torch.float32)
+    int8 = Engine(model, engine.tokenizer, max_batch=1, max_len=256).generate([ids], SamplingParams(max_tokens=16))
+    assert "Paris" in int8[0].text
+
+
 # --- a few LoRA SFT steps on Dolly ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.shared
