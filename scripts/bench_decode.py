@@ -36,7 +36,7 @@ QWEN3_05B = dict(  # Qwen3-0.6B's published config with 24 layers: ~0.53B parame
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000,
     tie_word_embeddings=True,
 )
-DTYPES = ("fp32", "bf16", "int8", "int4")
+DTYPES = ("fp32", "bf16", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, activations rounded to int8
 
 
 def read_bandwidth(reps: int = 5) -> dict:
@@ -81,7 +81,7 @@ def build_hf(name: str, dtype: torch.dtype):
     raise ValueError(f"unknown model {name!r}; expected qwen3-0.5b or smollm2-135m")
 
 
-def quantize_in_both(hf, ours, fmt: str) -> None:
+def quantize_in_both(hf, ours, fmt: str, backend: str = "auto") -> None:
     """Quantize the decoder linears once (RTN) and swap the same fused modules into both models; LM head -> bf16."""
     from posttrain.quant.calibrate import quantize_model
     from posttrain.quant.linear import swap_dense_linears, swap_linears
@@ -91,7 +91,7 @@ def quantize_in_both(hf, ours, fmt: str) -> None:
     quantized = quantize_model(hf, "rtn", fmt, group)
     act = next(hf.parameters()).dtype
     for model in (hf, ours):
-        swap_linears(model, quantized, act)
+        swap_linears(model, quantized, act, backend=backend)
     swap_dense_linears(hf, ["lm_head"], act, torch.bfloat16)
     ours.lm_head = hf.lm_head  # the same module object: no second copy of the largest matrix
 
@@ -153,7 +153,7 @@ def greedy_agreement(ours, hf_ids, prompt_len: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.5b", "smollm2-135m"])
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES[:4]), choices=DTYPES)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
@@ -179,8 +179,8 @@ def main() -> None:
                 print(f"{name}: skipped ({type(err).__name__}: {err})", flush=True)
                 break
             ours = model_from_hf(hf)
-            if dtype in ("int8", "int4"):
-                quantize_in_both(hf, ours, dtype)
+            if dtype in ("int8", "int4", "int4-a8"):
+                quantize_in_both(hf, ours, dtype[:4], "own_q8" if dtype == "int4-a8" else "auto")
             else:  # fp32 / bf16: our decoder on the own streaming kernels (DenseLinear), the LM head included
                 from posttrain.quant.linear import swap_dense_linears
 

@@ -13,8 +13,8 @@
   fallback for fp8 and for int4 group sizes aten rejects. `torch._scaled_mm` runs on CPU but needs *both* operands
   in fp8, i.e. it would quantize the activations too, so it is not a weight-only fp8 matmul and is not used.
 - "bnb": nf4 through bitsandbytes `matmul_4bit` (slow on CPU but correct).
-"auto" takes the fastest that fits: "own_q8" for int4, "own" for int8/fp8 (and int4 shapes own_q8 rejects), then
-"aten", then "chunked"; nf4 is always "bnb". Pass backend="own" for exact int4 arithmetic.
+"auto" takes "own" when it fits (weight-only: the activations are not rounded), then "aten", then "chunked"; nf4
+is always "bnb". "own_q8" changes the arithmetic (W4A8), so it is only used when asked for by name.
 
 `swap_linears(model, quantized, act_dtype)` swaps named nn.Linear modules in place. `DenseLinear` / `BF16Linear`
 (with `swap_dense_linears`) are the unquantized fp32/bf16 counterparts: torch's fp32 and bf16 matrix-vector products
@@ -70,9 +70,8 @@ def _pick_backend(qw: QuantizedWeight, backend: str) -> str:
         raise ValueError(f"aten int4 needs group_size in {ATEN_INT4_GROUP_SIZES}, got {qw.group_size}")
     if backend != "auto":
         return backend
-    for own in ("own_q8", "own"):
-        if _own_kernel_fits(qw, own) and cpu_kernels.available():
-            return own
+    if _own_kernel_fits(qw, "own") and cpu_kernels.available():
+        return "own"
     if qw.fmt == "int8" or (qw.fmt == "int4" and qw.group_size in ATEN_INT4_GROUP_SIZES):
         return "aten"
     return "chunked"

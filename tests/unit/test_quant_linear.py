@@ -203,10 +203,13 @@ def test_auto_backend_handles_shapes_the_own_kernels_reject(fmt, k, group_size):
         QuantLinear.from_quantized(qw, None, torch.float32, backend="own")
 
 
-def test_auto_backend_prefers_the_fastest_own_kernel(own_kernels):
+def test_auto_backend_keeps_the_arithmetic_weight_only(own_kernels):
+    """auto never picks own_q8 (it rounds the activations too); it is there by name only."""
     g = gen(12)
-    assert QuantLinear.from_quantized(make_qw("int4", 8, 128, g, 32), None, torch.float32).backend == "own_q8"
-    assert QuantLinear.from_quantized(make_qw("int4", 8, 96, g, 32), None, torch.float32).backend == "own"  # K % 64
+    assert QuantLinear.from_quantized(make_qw("int4", 8, 128, g, 32), None, torch.float32).backend == "own"
+    assert QuantLinear.from_quantized(make_qw("int4", 8, 128, g, 32), None, torch.float32,
+                                      "own_q8").backend == "own_q8"
+    assert QuantLinear.from_quantized(make_qw("int4", 8, 96, g, 32), None, torch.float32).backend == "own"
     assert QuantLinear.from_quantized(make_qw("int8", 8, 128, g), None, torch.float32).backend == "own"
 
 
