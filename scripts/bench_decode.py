@@ -134,14 +134,17 @@ def run_cell(hf, ours, batch: int, new: int, reps: int, compile: bool) -> dict:
     hf_run()
     ours_times, hf_times = [], []
     for _ in range(reps):  # interleaved, so drift on a shared machine hits both
-        ours_times.append(timed(ours_run))
-        hf_times.append(timed(hf_run))
-    done = ours_run()
+        start = time.perf_counter()
+        done = ours_run()
+        ours_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        hf_ids = hf_run()
+        hf_times.append(time.perf_counter() - start)
     decode = statistics.median([c.tbt_s for c in done if c.tbt_s])
     return {"ours_tok_s": batch * new / statistics.median(ours_times),
             "hf_tok_s": batch * new / statistics.median(hf_times),
             "ours_decode_tok_s": batch / decode, "ttft_ms": 1000 * done[0].ttft_s, "compiled": compile,
-            "warmup_s": warmup, "same_greedy_tokens": greedy_agreement(done, hf_run(), prompts.shape[1])}
+            "warmup_s": warmup, "reps": reps, "same_greedy_tokens": greedy_agreement(done, hf_ids, prompts.shape[1])}
 
 
 def greedy_agreement(ours, hf_ids, prompt_len: int) -> float:
@@ -156,7 +159,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES[:4]), choices=DTYPES)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per batch-1 cell (median)")
+    parser.add_argument("--reps-batched", type=int, default=1, help="timed runs per cell of a larger batch")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile-batches", nargs="*", type=int, default=[1],
                         help="batch sizes whose decode step our engine compiles (torch.compile; tens of seconds "
@@ -190,7 +194,8 @@ def main() -> None:
             step_bytes = bytes_per_step(ours)
             params = sum(p.numel() for p in hf.parameters())
             for batch in args.batches:
-                cell = run_cell(hf, ours, batch, args.new_tokens, args.reps, batch in args.compile_batches)
+                reps = args.reps if batch == 1 else args.reps_batched
+                cell = run_cell(hf, ours, batch, args.new_tokens, reps, batch in args.compile_batches)
                 ceiling = batch * bandwidth["ceiling"] * 1e9 / step_bytes
                 row = {"model": name, "params": params, "dtype": dtype, "batch": batch,
                        "weight_mb_per_step": step_bytes / 2**20, "ceiling_tok_s": ceiling, **cell,

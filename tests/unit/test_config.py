@@ -12,9 +12,20 @@ from posttrain.config import RecipeError, compose
 
 def test_tiny_pipeline_composes_with_trl_field_names():
     cfg = compose(["pipeline=tiny"])
-    assert list(cfg.pipeline.stages) == ["pretrain", "sft", "reward_model", "grpo", "dpo"]
+    assert list(cfg.pipeline.stages) == ["pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8",
+                                         "quantize:int4-gptq"]
     for stage, class_name in config_mod.TRAINER_CLASSES.items():
         assert set(cfg[stage].trainer) <= set(config_mod.trl_fields(class_name)), stage
+
+
+def test_quantize_variants_are_checked_at_start_up_and_hashed_one_by_one():
+    with pytest.raises(config_mod.RecipeError, match="quantize.variants.int8.fmt.*int5.*valid values: int8, int4"):
+        compose(["quantize.variants.int8.fmt=int5"])
+    cfg = compose(["pipeline=tiny"])
+    view = config_mod.stage_view(cfg, "quantize:int8")
+    assert view["quantize"]["variant"] == "int8" and list(view["quantize"]["variants"]) == ["int8"]
+    with pytest.raises(config_mod.RecipeError, match="quantize variant 'int3' is not in quantize.variants"):
+        config_mod.stage_view(cfg, "quantize:int3")
 
 
 def test_model_override_with_a_path_becomes_hf(tmp_path):
