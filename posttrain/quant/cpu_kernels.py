@@ -5,8 +5,9 @@ bf16 matrix-vector products and the packed aten int8/int4 kernels stay well belo
 these kernels widen weights to fp32 in registers and stream them (see the C++ files for the layouts).
 
 The extension is compiled on first use, not at import: `available()` builds it (~20 s, then cached in the
-torch_extensions directory under a name keyed by the sources, flags and this CPU's feature set) and returns False, logging the reason once, when there
-is no compiler or the CPU lacks AVX2/FMA/F16C. Callers then use the aten/torch paths in `linear.py`.
+torch_extensions directory under a name keyed by the sources, flags and this CPU's feature set) and returns False,
+logging the reason once, when there is no compiler or the CPU lacks AVX2/FMA/F16C. Callers then use the aten/torch
+paths in `linear.py`.
 
 Ops (registered as torch.ops.posttrain_quant.*, with fake kernels so torch.compile can trace them); the weights come
 from the pack_* functions below, which lay 4 output rows at a time out chunk by chunk (one sequential stream):
