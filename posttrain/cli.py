@@ -2,6 +2,10 @@
 
     posttrain run pipeline=tiny [overrides]      run a pipeline (Hydra overrides as in any Hydra app)
     posttrain stage=sft model=... data=...       run one stage
+    posttrain eval [run.name=<run>] [overrides]  serve each checkpoint of a run, score it through the API, write
+                                                 scorecard.md/.json and report.html (default: the latest run)
+    posttrain serve <artifact|dir|hub id> [port=8000 api_key=... backend=posttrain|vllm ...]
+                                                 the OpenAI-compatible server (posttrain serve --help)
     posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids
 """
 
@@ -21,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "serve":
+        from posttrain.serve.server import USAGE as SERVE_USAGE, main as serve_main
+
+        if argv[1:2] in (["-h"], ["--help"]):
+            print(SERVE_USAGE)
+            return 0
+        return serve_main(argv[1:])
     if argv[:2] == ["template", "render"]:
         from posttrain.chat.cli import main as render_main
 
@@ -33,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.pipeline import run_pipeline, run_single_stage
 
     command, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
-    if command not in (None, "run"):
+    if command not in (None, "run", "eval"):
         print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
     known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError)
@@ -41,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         if command == "run":
             run_pipeline(cfg)
+        elif command == "eval":
+            from posttrain.evaluation.run import main as eval_main
+
+            eval_main(cfg)
         elif cfg.stage:
             run_single_stage(cfg)
         else:

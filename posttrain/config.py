@@ -132,14 +132,32 @@ class PkuSuiteCfg:
 
 
 @dataclass
+class LatencyCfg:
+    requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
+    max_tokens: int = 32
+
+
+@dataclass
 class EvalCfg:
     suites: list[str] = field(default_factory=lambda: ["echo"])
     n_prompts: dict[str, int] = field(default_factory=lambda: {"echo": 100, "arith": 200})  # held-out prompts, per suite
     max_new_tokens: int | None = None  # null: each suite's own cap
-    batch_size: int = 50  # sequences per generate call (prompts x samples)
+    concurrency: int = 64  # requests in flight at once; the server batches them
     samples: int = 4  # replies sampled per prompt for pass@1, in suites that sample
     temperature: float = 1.0
+    checkpoints: list[str] = field(default_factory=list)  # `posttrain eval`: labels or stage dirs; empty = all
+    latency: LatencyCfg = field(default_factory=LatencyCfg)
     pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
+
+
+@dataclass
+class ServeCfg:
+    """How eval serves each checkpoint (and the defaults `posttrain serve` documents)."""
+    backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
+    dtype: str = "float32"
+    max_batch: int = 64  # rows of the KV cache: sequences decoding together
+    max_len: int = 512  # context per sequence
+    api_key: str | None = None  # null: a random key per server, known only to the evaluator
 
 
 @dataclass
@@ -174,6 +192,7 @@ class RootCfg:
     dpo: DpoCfg = field(default_factory=DpoCfg)
     quantize: QuantizeCfg = field(default_factory=QuantizeCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    serve: ServeCfg = field(default_factory=ServeCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
     run: RunCfg = field(default_factory=RunCfg)
@@ -194,6 +213,7 @@ OPTION_VALUES = {
                         "preference": ("safer", "better", "safe_vs_unsafe"),
                         "on_bad_row": ("error", "drop")}.items()
 }
+OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
 QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}
 
 

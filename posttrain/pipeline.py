@@ -80,7 +80,7 @@ def finish_tracking() -> None:
 
 
 def run_pipeline(cfg) -> Path:
-    from posttrain.evaluation.scorecard import render_markdown, write_scorecard
+    from posttrain.evaluation.run import evaluate
 
     run_dir, run_name = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,9 +96,7 @@ def run_pipeline(cfg) -> Path:
         elif name.partition(":")[0] not in LEAF_STAGES:
             parent = out
     if cfg.pipeline.evaluate:
-        card = write_scorecard(run_dir, stage_dirs, cfg.eval, cfg.seed)
-        print("\n" + render_markdown(card))
-        print(f"scorecard: {run_dir / 'scorecard.md'} and {run_dir / 'scorecard.json'}")
+        evaluate(cfg, run_dir, stage_dirs)
     log.info("pipeline %s finished in %.1f s", cfg.pipeline.name, time.perf_counter() - started)
     return run_dir
 

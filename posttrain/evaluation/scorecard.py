@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 
 from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
-from posttrain.evaluation.generate import generate
 from posttrain.evaluation.likelihood import render_shift
 from posttrain.evaluation.suites import build_suite
 
@@ -32,12 +31,14 @@ def mean(scores: list[float | None]) -> tuple[float, int]:
     return sum(applicable) / len(applicable), len(applicable)
 
 
-def score_checkpoint(stage_dir: Path, suites, eval_cfg, seed: int = 0) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0) -> dict:
+    """Serve one checkpoint, run every suite through the OpenAI API, and time it through the same endpoint."""
+    import secrets
+
+    from posttrain.evaluation.client import chat_replies, latency_probe
+    from posttrain.serve.server import ServeOptions, background_server
 
     manifest = verify_artifact(stage_dir)
-    model = AutoModelForCausalLM.from_pretrained(stage_dir / "model")
-    tokenizer = AutoTokenizer.from_pretrained(stage_dir / "model")
     label = manifest.get("label") or checkpoint_label(manifest["stage"])
     row = {
         "checkpoint": label,
@@ -45,26 +46,39 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, seed: int = 0) -> dict:
         "artifact": str(stage_dir),
         "size_mb": round(sum(p.stat().st_size for p in weight_files(stage_dir / "model")) / 2**20, 2),
     }
-    for suite in suites:
-        prompts = [r["messages"] for r in suite.rows]
-        max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
-        completions = generate(model, tokenizer, prompts, max_new, eval_cfg.batch_size, desc=f"{label}/{suite.name}")
-        scores = suite.score(completions)
-        row[suite.name], row[f"{suite.name}_n"] = mean(scores)
-        row[f"{suite.name}_examples"] = [
-            {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
-            for r, c, s in list(zip(suite.rows, completions, scores))[:3]
-        ]
-        if suite.samples:
-            sampled = generate(model, tokenizer, prompts, max_new, eval_cfg.batch_size, samples=suite.samples,
-                               temperature=suite.temperature, seed=seed, desc=f"{label}/{suite.name} sampled")
-            row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
-            row[f"{suite.name}_samples"] = suite.samples
-            row[f"{suite.name}_temperature"] = suite.temperature
+    key = serve_cfg.api_key or secrets.token_hex(16)  # a fresh key per server: only this client talks to it
+    opts = ServeOptions(model=str(stage_dir), port=0, api_key=key, dtype=serve_cfg.dtype,
+                        max_batch=serve_cfg.max_batch, max_len=serve_cfg.max_len, backend=serve_cfg.backend,
+                        served_model_name=label)
+    with background_server(opts) as server:
+        log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, serve_cfg.backend)
+        ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency)
+        for suite in suites:
+            prompts = [r["messages"] for r in suite.rows]
+            max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
+            completions = chat_replies(conversations=prompts, max_tokens=max_new, desc=f"{label}/{suite.name}",
+                                       **ask)
+            scores = suite.score(completions)
+            row[suite.name], row[f"{suite.name}_n"] = mean(scores)
+            row[f"{suite.name}_examples"] = [
+                {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
+                for r, c, s in list(zip(suite.rows, completions, scores))[:3]
+            ]
+            if suite.samples:
+                sampled = chat_replies(conversations=prompts, max_tokens=max_new, samples=suite.samples,
+                                       temperature=suite.temperature, seed=seed,
+                                       desc=f"{label}/{suite.name} sampled", **ask)
+                row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
+                row[f"{suite.name}_samples"] = suite.samples
+                row[f"{suite.name}_temperature"] = suite.temperature
+        if eval_cfg.latency.requests:
+            probe = suites[0].rows[0]["messages"] if suites else [{"role": "user", "content": "Hello"}]
+            row["latency"] = latency_probe(server.base_url, key, server.name, probe, eval_cfg.latency.requests,
+                                           eval_cfg.latency.max_tokens)
     return row
 
 
-def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) -> dict:
+def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
     suites = []
     for name in eval_cfg.suites:
         if name not in eval_cfg.n_prompts:
@@ -80,13 +94,13 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, seed: int) 
         manifest = read_manifest(stage_dir) or {}
         if manifest.get("stage") in NOT_GENERATORS:
             continue
-        rows.append(score_checkpoint(stage_dir, suites, eval_cfg, seed))
+        rows.append(score_checkpoint(stage_dir, suites, eval_cfg, serve_cfg, seed))
         if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
             shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
         if manifest.get("stage") == "quantize":
             quantization[rows[-1]["checkpoint"]] = quantization_summary(manifest)
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
-            "quantization": quantization, "written_at": now()}
+            "quantization": quantization, "backend": serve_cfg.backend, "written_at": now()}
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
     tmp = Path(run_dir) / ".scorecard.md.tmp"
@@ -138,7 +152,7 @@ def render_markdown(card: dict) -> str:
         columns.append((f"{name} greedy (n)" if sampled else f"{name} (n)", s))
         if sampled:
             columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
-    head = ["checkpoint"] + [h for h, _ in columns] + ["size MB"]
+    head = ["checkpoint"] + [h for h, _ in columns] + ["size MB", "TTFT ms", "decode tok/s"]
     lines = [f"# Scorecard: run {card['run']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["checkpoint"]]
@@ -146,7 +160,16 @@ def render_markdown(card: dict) -> str:
             n = row.get(f"{key}_n")
             cells.append(f"{row[key]:.3f}" + (f" ({n})" if n is not None else ""))
         cells.append(f"{row['size_mb']:.1f}")
+        latency = row.get("latency") or {}
+        cells.append(f"{latency['ttft_ms']:.1f}" if latency.get("ttft_ms") is not None else "n/a")
+        cells.append(f"{latency['decode_tok_s']:.0f}" if latency.get("decode_tok_s") is not None else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
+    probe = next((r["latency"] for r in rows if r.get("latency")), None)
+    if probe:
+        backend = card.get("backend", "posttrain")
+        lines += ["", f"Every score above was measured through the OpenAI-compatible server ({backend} backend). "
+                      f"TTFT and decode tok/s: medians over {probe['requests']} streamed greedy requests of "
+                      f"{probe['max_tokens']} tokens sent one at a time, timed by the client."]
     for label, shift in card.get("likelihood_shift", {}).items():
         lines += ["", f"Likelihood shift of {label} against its reference: {render_shift(shift)}"]
     if card.get("quantization"):

@@ -89,14 +89,15 @@ class Engine:
 
     # ---- the steps ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Run the prompts (rows 0..B-1 of the cache) and return the logits of each one's last token: [B, vocab]."""
+    def prefill(self, prompts: list[list[int]], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the prompts (into cache rows `rows`, default 0..B-1) and return the logits of each one's last
+        token: [B, vocab]."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
         padded = [p + [0] * (width - len(p)) for p in prompts]  # right padding; the mask never reads it
         tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
         pos = torch.arange(width, device=self.device).expand(len(prompts), width)
-        return self.model(tokens, pos, slice(0, len(prompts)), width, last=lengths - 1)
+        return self.model(tokens, pos, slice(0, len(prompts)) if rows is None else rows, width, last=lengths - 1)
 
     @torch.inference_mode()
     def decode_one_token(self, tokens: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:

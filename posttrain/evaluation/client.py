@@ -1,0 +1,96 @@
+"""Text production for eval suites through an OpenAI-compatible server, with the official `openai` client.
+
+The same code talks to `posttrain serve` and to `vllm serve`. Requests go out concurrently (the server batches
+them continuously); each suite prompt is one chat request, and a suite that samples asks for `n` choices.
+`latency_probe` times streamed requests one at a time, from the client's side: time to first token and decode
+tokens per second as a user of the endpoint sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from tqdm.auto import tqdm
+
+
+def reply_text(message) -> str:
+    """The reply as the model wrote it: the reasoning the server split off goes back inside its think block, so
+    scorers see what they saw from local generation (verifiers read the answer after `</think>`)."""
+    reasoning = getattr(message, "reasoning_content", None) or (message.model_extra or {}).get("reasoning_content")
+    content = message.content or ""
+    if not reasoning:
+        return content
+    return f"<think>\n{reasoning}" + (f"\n</think>\n\n{content}" if content else "")
+
+
+async def _chat_all(client, model: str, conversations, max_tokens: int, concurrency: int, samples: int,
+                    temperature: float, seed: int, desc: str):
+    gate = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(conversations), desc=desc, unit="prompt")
+
+    async def one(index: int, messages):
+        async with gate:
+            kwargs = {"temperature": 0.0} if not samples else {"temperature": temperature, "top_p": 1.0,
+                                                                "n": samples, "seed": seed + 1000 * index}
+            reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                         **kwargs)
+            bar.update(1)
+            texts = [reply_text(c.message) for c in sorted(reply.choices, key=lambda c: c.index)]
+            return texts if samples else texts[0]
+
+    try:
+        return await asyncio.gather(*(one(i, m) for i, m in enumerate(conversations)))
+    finally:
+        bar.close()
+
+
+def chat_replies(base_url: str, api_key: str, model: str, conversations: list[list[dict]], max_tokens: int,
+                 concurrency: int = 64, samples: int = 0, temperature: float = 1.0, seed: int = 0,
+                 desc: str = "eval", timeout: float = 600.0) -> list[str] | list[list[str]]:
+    """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`."""
+    from openai import AsyncOpenAI
+
+    async def run():
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0) as client:
+            return await _chat_all(client, model, conversations, max_tokens, concurrency, samples, temperature,
+                                   seed, desc)
+
+    return asyncio.run(run())
+
+
+def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict], requests: int = 8,
+                  max_tokens: int = 32, timeout: float = 120.0) -> dict:
+    """Median time to first token (ms) and decode tokens/s over `requests` streamed greedy requests sent one after
+    another, each running to `max_tokens` (ignore_eos), timed on the client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
+    ttfts, rates = [], []
+    for _ in range(requests):
+        start = time.perf_counter()
+        first = last = None
+        tokens = 0
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if delta.content or (delta.model_extra or {}).get("reasoning_content") or delta.tool_calls:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+        if first is None:
+            raise RuntimeError(f"{model}: the latency probe's streamed request returned no text")
+        ttfts.append(first - start)
+        if tokens > 1 and last > first:
+            rates.append((tokens - 1) / (last - first))
+    client.close()
+    return {"ttft_ms": 1000 * statistics.median(ttfts),
+            "decode_tok_s": statistics.median(rates) if rates else None,
+            "requests": requests, "max_tokens": max_tokens}

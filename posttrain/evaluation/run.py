@@ -1,0 +1,97 @@
+"""Evaluate a run: serve each checkpoint, score the suites through the API, write the scorecard and the report.
+
+    posttrain eval                               the latest run under run.root (default runs/)
+    posttrain eval run.name=demo                 a named run
+    posttrain eval run.name=demo 'eval.checkpoints=[dpo,dpo-int8]' serve=vllm
+
+The pipeline calls `evaluate` after its last stage; `posttrain eval` calls it on a finished run without retraining.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from posttrain.artifacts import read_manifest
+
+log = logging.getLogger("posttrain")
+
+
+def stage_dirs_of(run_dir: Path) -> list[Path]:
+    """A run's stage directories with a finished manifest, in pipeline order."""
+    return sorted(d for d in Path(run_dir).iterdir() if d.is_dir() and read_manifest(d) is not None)
+
+
+def latest_run(root: Path) -> Path:
+    runs = [d for d in Path(root).iterdir() if d.is_dir() and stage_dirs_of(d)] if Path(root).is_dir() else []
+    if not runs:
+        raise FileNotFoundError(f"no run with finished stages under {root}; train one with `posttrain run` or name "
+                                f"one with run.name=<run> (run.root=<dir>)")
+    return max(runs, key=lambda d: max(p.stat().st_mtime for p in d.glob("*/manifest.json")))
+
+
+def select(stage_dirs: list[Path], wanted: list[str]) -> list[Path]:
+    """Keep the checkpoints named by label (dpo-int8), stage (dpo) or directory (04-dpo); empty keeps all."""
+    if not wanted:
+        return stage_dirs
+    from posttrain.evaluation.scorecard import checkpoint_label
+
+    names = {}
+    for d in stage_dirs:
+        manifest = read_manifest(d) or {}
+        for name in (manifest.get("label"), checkpoint_label(manifest.get("stage", "")), manifest.get("stage"), d.name):
+            if name:
+                names.setdefault(name, d)
+    missing = [w for w in wanted if w not in names]
+    if missing:
+        raise FileNotFoundError(f"eval.checkpoints names {missing}, which the run does not have; it has "
+                                f"{sorted(n for n in names if not n[:2].isdigit())}")
+    chosen = {names[w] for w in wanted}
+    return [d for d in stage_dirs if d in chosen]
+
+
+def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
+    from posttrain.evaluation.report import write_report
+    from posttrain.evaluation.scorecard import render_markdown, write_scorecard
+
+    card = write_scorecard(run_dir, stage_dirs, cfg.eval, cfg.serve, cfg.seed)
+    report = write_report(run_dir, card, stage_dirs)
+    log_to_tracking(cfg, run_dir, card)
+    print("\n" + render_markdown(card))
+    print(f"scorecard: {run_dir / 'scorecard.md'} and {run_dir / 'scorecard.json'}")
+    print(f"report: {report}")
+    return card
+
+
+def log_to_tracking(cfg, run_dir: Path, card: dict) -> None:
+    """With tracking=wandb, the scorecard becomes a W&B table in an `eval` run of the pipeline's group."""
+    if cfg.tracking.backend != "wandb":
+        return
+    from posttrain import tracking
+
+    tracking.configure(cfg.tracking, run_dir, Path(run_dir).name, "eval")
+    import wandb
+
+    columns = ["checkpoint"] + list(card["suites"]) + ["size_mb", "ttft_ms", "decode_tok_s"]
+    table = wandb.Table(columns=columns)
+    for row in card["rows"]:
+        latency = row.get("latency") or {}
+        table.add_data(row["checkpoint"], *[row.get(s) for s in card["suites"]], row["size_mb"],
+                       latency.get("ttft_ms"), latency.get("decode_tok_s"))
+    run = wandb.init()
+    run.log({"scorecard": table})
+    run.finish()
+
+
+def main(cfg) -> Path:
+    from posttrain.pipeline import run_dir_of
+
+    run_dir = run_dir_of(cfg)[0] if cfg.run.name else latest_run(Path(cfg.run.root))
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    stage_dirs = select(stage_dirs_of(run_dir), list(cfg.eval.checkpoints))
+    if not stage_dirs:
+        raise FileNotFoundError(f"{run_dir} has no finished stage to evaluate")
+    log.info("eval: %s, checkpoints %s", run_dir, [d.name for d in stage_dirs])
+    evaluate(cfg, run_dir, stage_dirs)
+    return run_dir

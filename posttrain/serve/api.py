@@ -1,0 +1,376 @@
+"""The OpenAI-compatible HTTP API over the engine: FastAPI routes, server-sent-event streams, Prometheus metrics.
+
+    GET  /v1/models              the one model served
+    POST /v1/completions         text in, text out (stream=true: server-sent events)
+    POST /v1/chat/completions    messages in, the chat template applied here; reasoning inside <think>...</think>
+                                 comes back as `reasoning_content`, <tool_call> blocks as `tool_calls`
+    GET  /health                 200 while the engine thread runs
+    GET  /metrics                Prometheus text: time to first token, time between tokens, tokens generated,
+                                 requests in flight, queue length, rows decoding
+
+Every request becomes one or more `scheduler.Request`s (n > 1 gives n); the engine thread calls back on each token
+and the callbacks hand events to this event loop through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the routes' annotations here
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from posttrain.serve.engine import Engine, SamplingParams
+from posttrain.serve.parsing import ReplyParser, opens_thinking
+from posttrain.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling, parse_body
+from posttrain.serve.scheduler import Request, Scheduler
+
+log = logging.getLogger("posttrain")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """Prometheus series of one server (its own registry, so two servers in one process do not collide)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("posttrain_time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tbt = Histogram("posttrain_time_between_tokens_seconds", "Interval between consecutive tokens",
+                             buckets=TBT_BUCKETS, registry=r)
+        self.tokens = Counter("posttrain_generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("posttrain_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.requests = Counter("posttrain_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("posttrain_requests_in_flight", "Generation requests being handled", registry=r)
+        self.queue = Gauge("posttrain_queue_length", "Sequences waiting for a row of the KV cache", registry=r)
+        self.running = Gauge("posttrain_running_sequences", "Sequences decoding in the current batch", registry=r)
+        self.batch = Histogram("posttrain_batch_rows", "Sequences in the batch at each engine step",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+
+    def on_step(self, busy: int, waiting: int) -> None:
+        self.running.set(busy)
+        self.queue.set(waiting)
+        if busy:
+            self.batch.observe(busy)
+
+
+@dataclass
+class Served:
+    engine: Engine
+    scheduler: Scheduler
+    name: str
+    root: str  # where the weights came from
+    api_key: str | None
+    metrics: Metrics
+    created: int
+
+
+def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = None):
+    metrics = Metrics()
+    served = Served(engine, Scheduler(engine, on_step=metrics.on_step), name, root, api_key, metrics,
+                    int(time.time()))
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        served.scheduler.close()  # the engine thread stops with the server
+
+    app = FastAPI(title="posttrain", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def api_error(request: HTTPRequest, err: APIError):
+        metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.middleware("http")
+    async def authorize(request: HTTPRequest, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                metrics.requests.labels(request.url.path, "401").inc()
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not served.scheduler.thread.is_alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": served.created,
+                                            "owned_by": "posttrain", "root": root, "max_model_len": engine.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = parse_body(CompletionRequest, await request.body())
+        check_model(served, body.model)
+        prompts = completion_prompts(served, body.prompt)
+        return await respond(served, request, body, prompts, chat=None, endpoint="/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        body = parse_body(ChatRequest, await request.body())
+        check_model(served, body.model)
+        text = render_chat(served, body)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        return await respond(served, request, body, [ids], chat={"thinking": opens_thinking(text),
+                                                                 "tools": bool(body.tools)},
+                             endpoint="/v1/chat/completions")
+
+    async def respond(served, request, body, prompts, chat, endpoint):
+        params = sampling_params(served, body, chat is not None, prompts)
+        if body.stream:
+            stream = stream_events(served, request, body, prompts, params, chat)
+            metrics.requests.labels(endpoint, "200").inc()
+            return StreamingResponse(stream, media_type="text/event-stream")
+        done = await run_all(served, prompts, params, body.n)
+        metrics.requests.labels(endpoint, "200").inc()
+        return build_response(served, body, prompts, done, chat)
+
+    return app
+
+
+# ---- request handling --------------------------------------------------------------------------------------------
+def check_model(served: Served, model: str) -> None:
+    if model != served.name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served.name}'.",
+                       type_="NotFoundError", param="model", code="model_not_found")
+
+
+def completion_prompts(served: Served, prompt) -> list[list[int]]:
+    tok = served.engine.tokenizer
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, f"prompt {i} is empty", param="prompt")
+        if any(t < 0 or t >= served.engine.model.args.vocab_size for t in ids):
+            raise APIError(400, f"prompt {i} has token ids outside the vocabulary", param="prompt")
+        out.append(ids)
+    if not out:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return out
+
+
+def render_chat(served: Served, body: ChatRequest) -> str:
+    tok = served.engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, f"the model '{served.name}' has no chat template; use /v1/completions")
+    tools = [t.model_dump() for t in body.tools] if body.tools and body.tool_choice != "none" else None
+    try:
+        return tok.apply_chat_template([m.for_template() for m in body.messages], tools=tools, tokenize=False,
+                                       add_generation_prompt=True, **body.template_kwargs())
+    except Exception as err:  # jinja's TemplateError (raise_exception in the template) and bad kwargs
+        raise APIError(400, f"the chat template rejected the request: {err}", param="messages") from None
+
+
+def sampling_params(served: Served, body: Sampling, chat: bool, prompts: list[list[int]]) -> SamplingParams:
+    max_len = served.engine.max_len
+    longest = max(len(p) for p in prompts)
+    if longest >= max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {longest}.",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max_len - longest if chat else 16  # OpenAI's defaults: the rest of the context, or 16
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if longest + max_tokens > max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens; {longest} prompt tokens + "
+                            f"max_tokens {max_tokens} exceed it.", param="max_tokens", code="context_length_exceeded")
+    if body.n > 1 and body.temperature == 0:
+        raise APIError(400, "n > 1 needs temperature > 0 (greedy choices would all be the same)", param="n")
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          seed=body.seed, stop=body.stops(), stop_token_ids=list(body.stop_token_ids or []),
+                          ignore_eos=body.ignore_eos)
+
+
+def requests_for(served: Served, prompts, params: SamplingParams, n: int, on_event) -> list[Request]:
+    """One scheduler request per (prompt, choice); choice k of a seeded request uses seed + k."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        for k in range(n):
+            p = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + k})
+            index = i * n + k
+            out.append(Request(prompt, p, on_token=on_event(index, "token"), on_finish=on_event(index, "finish")))
+    return out
+
+
+def listener(served: Served, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+    """Callbacks for the engine thread: record metrics there, then pass (index, kind) to the event loop."""
+    metrics = served.metrics
+
+    def on_event(index: int, kind: str):
+        last = [None]
+
+        def callback(request: Request):
+            if kind == "token":
+                metrics.tokens.inc()
+                if last[0] is None:
+                    metrics.ttft.observe(request.ttft_s)
+                else:
+                    metrics.tbt.observe(request.last_token_at - last[0])
+                last[0] = request.last_token_at
+            loop.call_soon_threadsafe(queue.put_nowait, (index, kind))
+        return callback
+    return on_event
+
+
+async def run_all(served: Served, prompts, params, n: int) -> list[Request]:
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    requests = requests_for(served, prompts, params, n, listener(served, loop, queue))
+    served.metrics.in_flight.inc()
+    try:
+        submit(served, requests)
+        remaining = len(requests)
+        while remaining:
+            _, kind = await queue.get()
+            remaining -= kind == "finish"
+    finally:
+        served.metrics.in_flight.dec()
+        for r in requests:
+            served.scheduler.cancel(r)  # no-op for finished ones; frees rows if the client went away
+    return requests
+
+
+def submit(served: Served, requests: list[Request]) -> None:
+    for r in requests:
+        try:
+            served.scheduler.submit(r)
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        served.metrics.prompt_tokens.inc(len(r.prompt))
+
+
+def final_text(served: Served, request: Request) -> str:
+    if request.stop_text is not None:
+        return request.stop_text
+    return served.engine.tokenizer.decode(request.tokens, skip_special_tokens=True)
+
+
+def check_failed(requests: list[Request]) -> None:
+    failed = next((r for r in requests if r.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, f"generation failed: {failed.error}", type_="server_error")
+
+
+def usage(prompts, requests: list[Request]) -> dict:
+    prompt = sum(len(p) for p in prompts)
+    completion = sum(len(r.tokens) for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def build_response(served: Served, body, prompts, requests: list[Request], chat) -> dict:
+    check_failed(requests)
+    rid, created = uuid.uuid4().hex, int(time.time())
+    choices = []
+    for index, r in enumerate(requests):
+        text = final_text(served, r)
+        if chat is None:
+            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": r.finish_reason})
+            continue
+        parser = ReplyParser(chat["thinking"], chat["tools"])
+        reasoning, content, calls = parser.finish(text)
+        message = {"role": "assistant", "content": content if content or not calls else None,
+                   "reasoning_content": reasoning or None, "tool_calls": calls or None}
+        choices.append({"index": index, "message": message,
+                        "finish_reason": "tool_calls" if calls else r.finish_reason})
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": served.name, "choices": choices, "usage": usage(prompts, requests)}
+
+
+async def stream_events(served: Served, http_request, body, prompts, params, chat):
+    """Server-sent events: one chunk per new piece of text per choice, a last chunk with the finish reason,
+    optionally a usage chunk, then `data: [DONE]`."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    requests = requests_for(served, prompts, params, body.n, listener(served, loop, queue))
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    hold = max((len(s) for s in params.stop), default=1) - 1  # text that may still turn into a stop string
+    sent = [0] * len(requests)
+    parsers = [ReplyParser(chat["thinking"], chat["tools"]) if chat else None for _ in requests]
+
+    def chunk(index: int, delta: dict | str, finish: str | None = None) -> str:
+        choice = ({"index": index, "delta": delta, "finish_reason": finish} if chat else
+                  {"index": index, "text": delta, "logprobs": None, "finish_reason": finish})
+        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": served.name,
+                                      "choices": [choice]}) + "\n\n"
+
+    def chat_delta(reasoning: str, content: str) -> dict:
+        delta = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
+
+    served.metrics.in_flight.inc()
+    try:
+        submit(served, requests)
+        if chat:
+            for index in range(len(requests)):
+                yield chunk(index, {"role": "assistant", "content": ""})
+        remaining = len(requests)
+        while remaining:
+            index, event = await queue.get()
+            r = requests[index]
+            if event == "token":
+                text = served.engine.tokenizer.decode(r.tokens, skip_special_tokens=True)
+                if text.endswith("\ufffd"):
+                    continue  # a multi-byte character not complete yet
+                if chat:
+                    delta = chat_delta(*parsers[index].feed(text[: len(text) - hold] if hold else text))
+                    if delta:
+                        yield chunk(index, delta)
+                else:
+                    upto = len(text) - hold
+                    if upto > sent[index]:
+                        yield chunk(index, text[sent[index]:upto])
+                        sent[index] = upto
+                continue
+            remaining -= 1
+            if r.finish_reason == "error":
+                yield "data: " + json.dumps(APIError(500, f"generation failed: {r.error}", "server_error").body())
+                yield "\n\n"
+                continue
+            text = final_text(served, r)
+            if chat:
+                reasoning, content, calls = parsers[index].finish(text)
+                delta = chat_delta(reasoning, content)
+                if calls:
+                    delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(calls)]
+                yield chunk(index, delta, "tool_calls" if calls else r.finish_reason)
+            else:
+                yield chunk(index, text[sent[index]:], r.finish_reason)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": served.name,
+                                         "choices": [], "usage": usage(prompts, requests)}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        served.metrics.in_flight.dec()
+        for r in requests:
+            served.scheduler.cancel(r)

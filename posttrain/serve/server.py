@@ -1,0 +1,247 @@
+"""`posttrain serve`: start the OpenAI-compatible server on one artifact, model directory or hub id.
+
+    posttrain serve runs/tiny/04-dpo                        our engine on 127.0.0.1:8000
+    posttrain serve runs/tiny/05-quantize-int8 port=8001 api_key=secret max_batch=32
+    posttrain serve runs/tiny/04-dpo backend=vllm           `vllm serve` on the same weights (GPU boxes)
+
+Options are `key=value` (or `--key value`): host (127.0.0.1), port (8000; 0 picks a free one), api_key (none:
+requests need no key; also read from POSTTRAIN_API_KEY), dtype (float32 | bfloat16), max_batch (32 rows decoding
+together), max_len (2048 tokens of context, at most the model's), backend (posttrain | vllm), served_model_name
+(default: the artifact's label, e.g. dpo-int8), quant_backend (auto | own | aten | ...).
+
+`background_server` runs the same server in a thread of the calling process (the evaluator uses it) or, for
+backend=vllm, as a subprocess; either way the caller gets a base URL for the `openai` client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+log = logging.getLogger("posttrain")
+USAGE = __doc__
+
+
+@dataclass
+class ServeOptions:
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    dtype: str = "float32"
+    max_batch: int = 32
+    max_len: int = 2048
+    backend: str = "posttrain"
+    served_model_name: str | None = None
+    quant_backend: str = "auto"
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> "ServeOptions":
+        """`MODEL key=value ...` or `MODEL --key value ...`; unknown keys and bad values are errors."""
+        names = {f.name: f for f in fields(cls)}
+        values: dict = {}
+        args = list(argv)
+        while args:
+            arg = args.pop(0)
+            if arg.startswith("--"):
+                key = arg[2:].replace("-", "_")
+                if "=" in key:
+                    key, value = key.split("=", 1)
+                elif args:
+                    value = args.pop(0)
+                else:
+                    raise ValueError(f"option {arg} needs a value")
+            elif "=" in arg:
+                key, value = arg.split("=", 1)
+            elif "model" not in values:
+                key, value = "model", arg
+            else:
+                raise ValueError(f"unexpected argument {arg!r}; options are key=value")
+            if key not in names:
+                raise ValueError(f"unknown serve option {key!r}; options: {', '.join(names)}")
+            kind = int if names[key].type in ("int", int) else str
+            try:
+                values[key] = kind(value)
+            except ValueError:
+                raise ValueError(f"serve option {key}={value!r} must be an integer") from None
+        opts = cls(**values)
+        opts.api_key = opts.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
+        if not opts.model:
+            raise ValueError("give the model to serve: an artifact directory, a model directory or a hub id")
+        if opts.backend not in ("posttrain", "vllm"):
+            raise ValueError(f"backend={opts.backend!r}: expected posttrain or vllm")
+        if not 0 <= opts.port < 65536:
+            raise ValueError(f"port={opts.port} is out of range")
+        if opts.max_batch < 1 or opts.max_len < 2:
+            raise ValueError("max_batch must be >= 1 and max_len >= 2")
+        return opts
+
+
+def resolve_model(location: str) -> tuple[str, str]:
+    """(weights location, default served name) for a pipeline artifact (its model/ and manifest label), a model
+    directory, or a hub id."""
+    from posttrain.artifacts import read_manifest, verify_artifact
+
+    path = Path(location)
+    if (path / "model").is_dir() and read_manifest(path) is not None:
+        manifest = verify_artifact(path)
+        from posttrain.evaluation.scorecard import checkpoint_label
+
+        return str(path / "model"), manifest.get("label") or checkpoint_label(manifest["stage"])
+    if path.exists() and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{location}: neither a pipeline artifact (model/ + manifest.json) nor a model "
+                                f"directory (config.json)")
+    return location, path.name if path.exists() else location
+
+
+def build_engine(opts: ServeOptions):
+    from posttrain.serve.engine import load_engine
+
+    weights, _ = resolve_model(opts.model)
+    engine = load_engine(weights, dtype=opts.dtype, max_batch=opts.max_batch, quant_backend=opts.quant_backend)
+    engine.max_len = min(opts.max_len, engine.max_len)
+    return engine
+
+
+def free_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(opts: ServeOptions) -> None:
+    """Run until interrupted (the `posttrain serve` command)."""
+    if opts.backend == "vllm":
+        proc = subprocess.Popen(vllm_command(opts, opts.port or pick_port(opts.host)))
+        sys.exit(proc.wait())
+    import uvicorn
+
+    from posttrain.serve.api import create_app
+
+    _, default_name = resolve_model(opts.model)
+    engine = build_engine(opts)
+    name = opts.served_model_name or default_name
+    app = create_app(engine, name, root=opts.model, api_key=opts.api_key)
+    sock = free_socket(opts.host, opts.port)
+    port = sock.getsockname()[1]
+    print(f"posttrain serve: '{name}' on http://{opts.host}:{port}/v1 (max_batch {engine.max_batch}, context "
+          f"{engine.max_len}{', API key required' if opts.api_key else ''})", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def pick_port(host: str) -> int:
+    with contextlib.closing(free_socket(host, 0)) as sock:
+        return sock.getsockname()[1]
+
+
+def vllm_command(opts: ServeOptions, port: int) -> list[str]:
+    """`vllm serve` on the same weights and the same names, so one client talks to either server."""
+    if importlib.util.find_spec("vllm") is None or shutil.which("vllm") is None:
+        raise RuntimeError("backend=vllm needs vLLM installed (pip install vllm, on a GPU machine); "
+                           "backend=posttrain runs on any machine")
+    weights, default_name = resolve_model(opts.model)
+    cmd = ["vllm", "serve", weights, "--host", opts.host, "--port", str(port),
+           "--served-model-name", opts.served_model_name or default_name, "--max-model-len", str(opts.max_len),
+           "--max-num-seqs", str(opts.max_batch), "--dtype", {"float32": "float32"}.get(opts.dtype, "bfloat16"),
+           "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if opts.api_key:
+        cmd += ["--api-key", opts.api_key]
+    return cmd
+
+
+class BackgroundServer:
+    """A running server and its base URL; `stop()` shuts it down."""
+
+    def __init__(self, base_url: str, name: str, stop):
+        self.base_url, self.name, self._stop = base_url, name, stop
+
+    def stop(self) -> None:
+        self._stop()
+
+
+@contextlib.contextmanager
+def background_server(opts: ServeOptions, startup_timeout: float = 600.0):
+    """Serve `opts.model` while the block runs: in a thread (our engine) or a subprocess (vLLM)."""
+    if opts.backend == "vllm":
+        port = opts.port or pick_port(opts.host)
+        _, default_name = resolve_model(opts.model)
+        proc = subprocess.Popen(vllm_command(opts, port), start_new_session=True)
+        server = BackgroundServer(f"http://{opts.host}:{port}/v1", opts.served_model_name or default_name,
+                                  lambda: (proc.terminate(), proc.wait(60)))
+        try:
+            wait_healthy(f"http://{opts.host}:{port}/health", startup_timeout, proc)
+            yield server
+        finally:
+            server.stop()
+        return
+
+    import uvicorn
+
+    from posttrain.serve.api import create_app
+
+    _, default_name = resolve_model(opts.model)
+    name = opts.served_model_name or default_name
+    app = create_app(build_engine(opts), name, root=opts.model, api_key=opts.api_key)
+    sock = free_socket(opts.host, opts.port)
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="posttrain-http", daemon=True)
+    thread.start()
+
+    def stop():
+        uv.should_exit = True
+        thread.join(30)
+        app.state.served.scheduler.close()
+        sock.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server for {opts.model} did not start")
+            time.sleep(0.02)
+        yield BackgroundServer(f"http://{opts.host}:{port}/v1", name, stop)
+    finally:
+        stop()
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server process exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} was not healthy within {timeout:.0f} s")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts = ServeOptions.parse(argv)
+        serve(opts)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"posttrain serve: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+

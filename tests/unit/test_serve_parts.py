@@ -1,0 +1,200 @@
+"""The server's parts without HTTP: reply parsing, continuous batching, option parsing, the vLLM command."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from posttrain.serve.engine import Engine, SamplingParams, model_from_hf
+from posttrain.serve.parsing import ReplyParser, opens_thinking, parse_reply, partial_tag_len
+from posttrain.serve.scheduler import Request, Scheduler
+from posttrain.serve.server import ServeOptions, vllm_command
+from tests.unit.test_engine import tiny_hf
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+# ---- reasoning and tool calls ----------------------------------------------------------------------------------
+def test_reply_splits_reasoning_content_and_tool_calls():
+    reply = parse_reply("<think>\nadd 2 and 3\n</think>\n\nIt is 5.")
+    assert (reply.reasoning_content, reply.content, reply.tool_calls) == ("add 2 and 3", "It is 5.", [])
+    reply = parse_reply("Checking." + CALL)
+    assert reply.content == "Checking." and reply.tool_calls[0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert parse_reply(CALL).content is None  # only a call: no content, as OpenAI returns it
+    assert parse_reply("2 plus 3</think>5", thinking=True).reasoning_content == "2 plus 3"  # template opened it
+    assert parse_reply("no think here").reasoning_content is None
+
+
+def test_malformed_tool_call_stays_in_the_content():
+    text = '<tool_call>{"name": get_weather}</tool_call>'
+    reply = parse_reply(text)
+    assert reply.tool_calls == [] and reply.content == text
+    assert parse_reply(CALL, tools=False).content == CALL  # no tools offered: the text is just text
+
+
+def test_prompt_that_opens_a_think_block_is_detected():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert partial_tag_len("abc<thi") == 4 and partial_tag_len("abc</") == 2 and partial_tag_len("abc") == 0
+
+
+@pytest.mark.parametrize("text, thinking", [
+    ("<think>\nfirst 2, then 3\n</think>\n\nThe answer is 5.", False),
+    ("plan: <thinly> veiled</think>done", True),
+    ("I will look it up. " + CALL, False),
+    ("a < b and <thinking> is not a tag", False),
+])
+def test_streamed_deltas_add_up_to_the_whole_reply(text, thinking):
+    parser = ReplyParser(thinking=thinking)
+    reasoning = content = ""
+    for end in range(1, len(text) + 1):  # one character at a time: the worst case for held-back tags
+        r, c = parser.feed(text[:end])
+        reasoning, content = reasoning + r, content + c
+    r, c, calls = parser.finish(text)
+    whole = parse_reply(text, thinking)
+    assert reasoning + r == (whole.reasoning_content or "") and content + c == (whole.content or "")
+    assert [x["function"] for x in calls] == [x["function"] for x in whole.tool_calls]
+
+
+# ---- continuous batching -----------------------------------------------------------------------------------------
+@pytest.fixture
+def engine():
+    return Engine(model_from_hf(tiny_hf("qwen3")), None, max_batch=4, max_len=64, stop_token_ids=[])
+
+
+def run(scheduler: Scheduler, requests: list[Request], timeout: float = 60) -> None:
+    done = threading.Semaphore(0)
+    for r in requests:
+        r.on_finish = lambda _: done.release()
+        scheduler.submit(r)
+    for _ in requests:
+        assert done.acquire(timeout=timeout), "a request did not finish"
+
+
+def test_request_joining_a_running_batch_gets_the_tokens_it_gets_alone(engine):
+    prompts = [[5, 6, 7, 8, 9, 10], [1, 2], [3, 4, 5], [9] * 11, [2, 7]]
+    params = SamplingParams(max_tokens=12)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    scheduler = Scheduler(engine)
+    try:
+        late = [Request(p, params) for p in prompts[1:]]
+        joined = threading.Event()
+
+        def join_after_three(request: Request):  # runs on the engine thread, mid-generation
+            if len(request.tokens) == 3 and not joined.is_set():
+                joined.set()
+                for r in late:
+                    scheduler.submit(r)
+
+        first = Request(prompts[0], params, on_token=join_after_three)
+        done = threading.Semaphore(0)
+        for r in [first, *late]:
+            r.on_finish = lambda _: done.release()
+        scheduler.submit(first)
+        for _ in range(len(prompts)):
+            assert done.acquire(timeout=60)
+        assert [first.tokens] + [r.tokens for r in late] == alone
+        assert scheduler.max_busy == 4  # 4 rows: the fifth request waited for a free row, then reused it
+        assert scheduler.steps < sum(len(t) for t in alone) - len(prompts)  # steps were shared
+        assert all(r.finish_reason == "length" and r.ttft_s > 0 for r in [first, *late])
+    finally:
+        scheduler.close()
+
+
+def test_scheduler_rejects_bad_requests_and_cancels(engine):
+    scheduler = Scheduler(engine)
+    try:
+        with pytest.raises(ValueError, match="exceed the context"):
+            scheduler.submit(Request([1] * 60, SamplingParams(max_tokens=8)))
+        with pytest.raises(ValueError, match="max_tokens"):
+            scheduler.submit(Request([1], SamplingParams(max_tokens=0)))
+        with pytest.raises(ValueError, match="empty"):
+            scheduler.submit(Request([], SamplingParams()))
+        cancelled = Request([1, 2, 3], SamplingParams(max_tokens=50))
+        cancelled.on_token = lambda r: len(r.tokens) == 2 and scheduler.cancel(r)
+        normal = Request([4, 5], SamplingParams(max_tokens=5))
+        run(scheduler, [cancelled, normal])
+        assert cancelled.finish_reason == "cancelled" and len(cancelled.tokens) <= 3
+        assert normal.finish_reason == "length" and len(normal.tokens) == 5
+        assert not scheduler.busy  # every row free again
+    finally:
+        scheduler.close()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        scheduler.submit(Request([1], SamplingParams(max_tokens=4)))
+
+
+def test_sampled_requests_are_reproducible_by_seed_inside_a_batch(engine):
+    scheduler = Scheduler(engine)
+    try:
+        hot = SamplingParams(max_tokens=10, temperature=1.3, seed=11)
+        a, b, other = Request([1, 2, 3], hot), Request([1, 2, 3], hot), Request([7, 7], SamplingParams(max_tokens=10))
+        run(scheduler, [a, other, b])
+        assert a.tokens == b.tokens
+        assert a.tokens == engine.generate([[1, 2, 3]], hot)[0].token_ids
+    finally:
+        scheduler.close()
+
+
+def test_engine_failure_fails_the_running_requests_and_the_server_keeps_going(engine, monkeypatch):
+    scheduler = Scheduler(engine)
+    try:
+        original = engine.decode_one_token
+        calls = {"n": 0}
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("out of memory (simulated)")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "decode_one_token", flaky)
+        broken = Request([1, 2], SamplingParams(max_tokens=6))
+        run(scheduler, [broken])
+        assert broken.finish_reason == "error" and "simulated" in broken.error
+        fine = Request([1, 2], SamplingParams(max_tokens=6))
+        run(scheduler, [fine])
+        assert fine.finish_reason == "length" and len(fine.tokens) == 6
+    finally:
+        scheduler.close()
+
+
+# ---- options and the vLLM backend --------------------------------------------------------------------------------
+def test_serve_options_parse_key_value_and_flags():
+    opts = ServeOptions.parse(["runs/x/04-dpo", "port=0", "--max-batch", "8", "--api-key=k", "backend=posttrain"])
+    assert (opts.model, opts.port, opts.max_batch, opts.api_key) == ("runs/x/04-dpo", 0, 8, "k")
+    with pytest.raises(ValueError, match="unknown serve option 'prot'"):
+        ServeOptions.parse(["m", "prot=1"])
+    with pytest.raises(ValueError, match="must be an integer"):
+        ServeOptions.parse(["m", "port=eighty"])
+    with pytest.raises(ValueError, match="backend"):
+        ServeOptions.parse(["m", "backend=tgi"])
+    with pytest.raises(ValueError, match="give the model"):
+        ServeOptions.parse(["port=1"])
+
+
+def test_vllm_backend_needs_vllm_and_builds_the_same_names(monkeypatch, tmp_path):
+    import importlib.util
+    import shutil
+
+    (tmp_path / "config.json").write_text("{}")
+    opts = ServeOptions(model=str(tmp_path), api_key="k", served_model_name="dpo", backend="vllm")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(RuntimeError, match="needs vLLM installed"):
+            vllm_command(opts, 8001)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/vllm")
+    cmd = vllm_command(opts, 8001)
+    assert cmd[:3] == ["vllm", "serve", str(tmp_path)]
+    assert cmd[cmd.index("--served-model-name") + 1] == "dpo" and cmd[cmd.index("--api-key") + 1] == "k"
+    assert cmd[cmd.index("--port") + 1] == "8001" and "--reasoning-parser" in cmd
+
+
+def test_tiny_model_decode_uses_one_row_per_request(engine):
+    """The engine's prefill into chosen rows (what the scheduler uses) equals prefill into rows 0..B-1."""
+    engine.model.setup_cache(engine.max_batch, engine.max_len)
+    a = engine.prefill([[1, 2, 3], [4, 5]])
+    b = engine.prefill([[1, 2, 3], [4, 5]], rows=torch.tensor([3, 1]))
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
