@@ -54,7 +54,7 @@ def training_curves(stage_dirs: list[Path]) -> list[tuple[str, str]]:
             ax.set(title=f"{stage}: training loss", xlabel="step", ylabel="loss")
             ax.grid(alpha=0.3)
             plots.append((f"{stage} loss", png(fig)))
-        reward_keys = sorted(k for k in history[-1] if k.startswith("rewards/") and k.endswith("/mean"))
+        reward_keys = sorted({k for h in history for k in h if k.startswith("rewards/") and k.endswith("/mean")})
         if stage == "grpo" and reward_keys:
             fig, ax = plt.subplots(figsize=(5, 3.2))
             for key in reward_keys:
@@ -95,7 +95,7 @@ def scorecard_bars(card: dict) -> str | None:
                label=row["checkpoint"])
     ax.set_xticks(x, [h for h, _ in columns], fontsize=8)
     ax.set(ylim=(0, 1.05), ylabel="score", title="scorecard: every suite, every checkpoint (through the server)")
-    ax.legend(fontsize=8, ncol=min(len(rows), 4))
+    ax.legend(fontsize=8, ncol=min(len(rows), 6), loc="upper center", bbox_to_anchor=(0.5, -0.12))
     ax.grid(axis="y", alpha=0.3)
     return png(fig)
 
