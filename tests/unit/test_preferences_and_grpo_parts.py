@@ -112,5 +112,10 @@ def test_scorecard_markdown_has_greedy_and_pass_at_1_columns():
     row = {"checkpoint": "sft", "echo": 0.9, "echo_n": 100, "arith": 0.5, "arith_n": 200, "arith_pass@1": 0.4,
            "arith_samples": 4, "arith_temperature": 1.0, "size_mb": 14.0}
     text = render_markdown({"run": "r", "suites": ["echo", "arith"], "rows": [row]})
-    assert "| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=4, T=1.0) | size MB |" in text
-    assert "| sft | 0.900 (100) | 0.500 (200) | 0.400 | 14.0 |" in text
+    assert ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=4, T=1.0) | size MB | TTFT ms | decode tok/s |"
+            in text)
+    assert "| sft | 0.900 (100) | 0.500 (200) | 0.400 | 14.0 | n/a | n/a |" in text
+    row["latency"] = {"ttft_ms": 12.34, "decode_tok_s": 101.6, "requests": 8, "max_tokens": 32}
+    text = render_markdown({"run": "r", "suites": ["echo", "arith"], "rows": [row]})
+    assert "| sft | 0.900 (100) | 0.500 (200) | 0.400 | 14.0 | 12.3 | 102 |" in text
+    assert "medians over 8 streamed greedy requests of 32 tokens" in text
