@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
