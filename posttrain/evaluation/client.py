@@ -80,15 +80,18 @@ def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict],
                 tokens = chunk.usage.completion_tokens
             if not chunk.choices:
                 continue
-            delta = chunk.choices[0].delta
-            if delta.content or (delta.model_extra or {}).get("reasoning_content") or delta.tool_calls:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-        if first is None:
-            raise RuntimeError(f"{model}: the latency probe's streamed request returned no text")
+            delta, now = chunk.choices[0].delta, time.perf_counter()
+            if first is None and (delta.content or (delta.model_extra or {}).get("reasoning_content")
+                                  or delta.tool_calls):
+                first = now
+            if chunk.choices[0].finish_reason is not None:
+                last = now  # the last token: sent with the finish reason (held-back text included)
+        if last is None:
+            raise RuntimeError(f"{model}: the latency probe's streamed request ended without a finish reason")
+        if first is None:  # only tokens that decode to no text (special tokens): the reply's first text is its end
+            first = last
         ttfts.append(first - start)
-        if tokens > 1 and last > first:
+        if tokens > 1 and last is not None and last > first:
             rates.append((tokens - 1) / (last - first))
     client.close()
     return {"ttft_ms": 1000 * statistics.median(ttfts),

@@ -339,9 +339,8 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
             index, event = await queue.get()
             r = requests[index]
             if event == "token":
-                text = served.engine.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                if text.endswith("\ufffd"):
-                    continue  # a multi-byte character not complete yet
+                # a trailing U+FFFD may be a multi-byte character not complete yet: hold it back
+                text = served.engine.tokenizer.decode(r.tokens, skip_special_tokens=True).rstrip("\ufffd")
                 if chat:
                     delta = chat_delta(*parsers[index].feed(text[: len(text) - hold] if hold else text))
                     if delta:

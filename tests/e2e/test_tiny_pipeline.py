@@ -146,7 +146,10 @@ def test_every_row_was_measured_through_the_server_and_the_report_has_its_plots(
     assert card["backend"] == "posttrain"
     for row in card["rows"]:
         latency = row["latency"]
-        assert latency["ttft_ms"] > 0 and latency["decode_tok_s"] > 0 and latency["requests"] == 8
+        assert latency["ttft_ms"] > 0 and latency["requests"] == 8
+        # the base model of this short run may stream only tokens that decode to no text until its last chunk,
+        # which leaves no interval to time; every trained checkpoint writes text
+        assert latency["decode_tok_s"] > 0 or (row["checkpoint"] == "base" and latency["decode_tok_s"] is None)
     page = (run_dir / "report.html").read_text()
     # scorecard bars, quantization, latency, and a curve per training stage plus GRPO rewards and DPO log-probs
     assert page.count("data:image/png;base64,") >= 3 + 5 + 2
