@@ -71,6 +71,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def accept_token(token: int, tokens: list[int], p: SamplingParams, eos_ids: set[int],
+                 decode) -> tuple[str | None, str | None]:
+    """Append `token` to a sequence unless it ends it. Returns (finish reason or None, the text cut before a stop
+    string when one ended it, else None). `decode` turns token ids into text (only called when `p.stop` is set)."""
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop", None
+    tokens.append(token)
+    if p.stop:
+        text = decode(tokens)
+        cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return "stop", text[:cut]
+    return ("length" if len(tokens) >= p.max_tokens else None), None
+
+
 class Engine:
     """Generation over one model: `generate(prompts, params)` -> one `Completion` per prompt."""
 
@@ -164,18 +179,9 @@ class Engine:
 
     def _accept(self, r, token, new, reason, texts, p: SamplingParams) -> None:
         """Append one token to row r, or finish the row on a stop token, a stop string or the token limit."""
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason[r] = "stop"
-            return
-        new[r].append(token)
-        if p.stop:
-            text = self._text(new[r])
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                texts[r], reason[r] = text[:cut], "stop"
-                return
-        if len(new[r]) >= p.max_tokens:
-            reason[r] = "length"
+        reason[r], cut = accept_token(token, new[r], p, self.eos_ids, self._text)
+        if cut is not None:
+            texts[r] = cut
 
     def _text(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:  # token-level use (benchmarks, tests on random configs)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from posttrain.serve.engine import Engine, SamplingParams, sample
+from posttrain.serve.engine import Engine, SamplingParams, accept_token, sample
 
 log = logging.getLogger("posttrain")
 
@@ -187,22 +187,18 @@ class Scheduler:
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
-            if (token in self.engine.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            before = len(request.tokens)
+            reason, cut = accept_token(token, request.tokens, p, self.engine.eos_ids, self.engine._text)
+            if len(request.tokens) > before:
+                request.first_token_at = request.first_token_at or now
+                request.last_token_at = now
+            if reason == "stop":
+                request.stop_text = cut
                 self._finish(request, "stop")
                 continue
-            request.tokens.append(token)
-            request.first_token_at = request.first_token_at or now
-            request.last_token_at = now
-            if p.stop:
-                text = self.engine._text(request.tokens)
-                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    request.stop_text = text[:cut]
-                    self._finish(request, "stop")
-                    continue
             if request.on_token is not None:
                 request.on_token(request)
-            if len(request.tokens) >= p.max_tokens:
+            if reason == "length":
                 self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> bool:
