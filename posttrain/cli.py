@@ -7,6 +7,10 @@
     posttrain serve <artifact|dir|hub id> [port=8000 api_key=... backend=posttrain|vllm ...]
                                                  the OpenAI-compatible server (posttrain serve --help)
     posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids
+    posttrain data check <dataset|card|file> [--model M] [--json]
+                                                 validate a dataset against its card before training
+    posttrain plan <config.json|model dir|hub id> [--json] [--gpus N --gpu-mem GB ...]
+                                                 capacity planner: parameters, memory, KV cache, speed ceiling
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
             print(SERVE_USAGE)
             return 0
         return serve_main(argv[1:])
+    if argv[0] == "plan":
+        from posttrain.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
+    if argv[:2] == ["data", "check"]:
+        from posttrain.data.check_cli import main as check_main
+
+        return check_main(argv[2:])
     if argv[:2] == ["template", "render"]:
         from posttrain.chat.cli import main as render_main
 
