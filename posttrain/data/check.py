@@ -238,11 +238,13 @@ def map_rows(rows: list, spec: Spec, good: list[int], source: str, collect: _Col
         from posttrain.data.preferences import pku_pairs
 
         preference = spec.mapping.get("preference", "safer")
+        # a recipe with pairs.on_bad_row=drop tolerates bad pairs: reported, not a break
+        level = "warning" if spec.mapping.get("on_bad_row") == "drop" else "error"
         out = []
         for i, r in picked:  # one row at a time, so each pair keeps its row number
             pairs, report = pku_pairs([r], source, preference, on_bad_row="drop")
             for reason in report["dropped"]:
-                collect.add("error", "values", f"not a valid '{preference}' pair ({reason})", i)
+                collect.add(level, "values", f"not a valid '{preference}' pair ({reason})", i)
             out += [(i, p) for p in pairs]
         return "pairs", out
     raise ValueError(f"{spec.name}: mapping kind '{kind}' has no converter")
@@ -296,7 +298,7 @@ def token_stats(examples: list, tokenizer, model: str, max_len: int, template_kw
 
 # --- the whole check -----------------------------------------------------------------------------------------------
 def check_rows(rows: list, spec: Spec, *, source: str, split: str | None = None, sample: bool = False,
-               expected_rows: int | None = None, tokenizer=None, model: str = "", max_len: int = 2048, template_kwargs: dict | None = None,
+               expected_rows: int | None = None, completion_loss: bool = True, tokenizer=None, model: str = "", max_len: int = 2048, template_kwargs: dict | None = None,
                eval_sets: dict[str, list[str]] | None = None, unavailable: list[str] = ()) -> Report:
     """Check `rows` (as read, before any conversion) against `spec`. `eval_sets` maps an eval set's name to its
     prompts; `unavailable` names eval sets that could not be loaded here (reported, not compared)."""
@@ -310,6 +312,8 @@ def check_rows(rows: list, spec: Spec, *, source: str, split: str | None = None,
     stats.update(examples=len(examples), example_kind=kind)
     if tokenizer is not None and examples:
         stats["tokens"] = token_stats(examples, tokenizer, model, max_len, template_kwargs or {}, collect)
+        if stats["tokens"] and not completion_loss:  # a reward model scores whole sequences: no per-token loss
+            stats["tokens"]["trained_fraction"] = None
     prompts = [(i, text) for i, ex in examples if (text := prompt_text(ex))]
     stats["overlap"], stats["overlap_unavailable"] = [], list(unavailable)
     for name, eval_prompts in (eval_sets or {}).items():

@@ -100,7 +100,7 @@ def eval_prompt_sets(names: list[str], exclude: str | None, tiny_n: dict | None 
 
             from posttrain.evaluation.suites import build_suite
 
-            n = (tiny_n or OmegaConf.load(REPO / "recipes" / "eval" / "tiny.yaml").n_prompts)[part]
+            n = (tiny_n or {}).get(part) or OmegaConf.load(REPO / "recipes" / "eval" / "tiny.yaml").n_prompts[part]
             sets[name] = [prompt_text(r) for r in build_suite(part, n, seed).rows]
             continue
         card = load_card(prefix)

@@ -25,6 +25,7 @@ def main(cfg, run: StageRun) -> dict:
     from trl import DPOTrainer
 
     from posttrain.data.preferences import load_pairs
+    from posttrain.data.startup import pair_jobs, startup_check
     from posttrain.evaluation.likelihood import likelihood_shift, render_shift, reply_logprobs
     from posttrain.models.loading import load_model, load_tokenizer, model_location
 
@@ -52,6 +53,8 @@ def main(cfg, run: StageRun) -> dict:
     record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
               "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
     log.info("dpo: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    record["check"] = startup_check("dpo", pair_jobs(cfg.dpo.pairs, train_pairs), tokenizer, args.max_length,
+                                    None, cfg.get("eval"), cfg.data.seed)
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in train_pairs])
 
     # --- the reference's log-probabilities on held-out pairs, before any update ---------------------------------

@@ -148,6 +148,7 @@ def main(cfg, run: StageRun) -> dict:
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    from posttrain.data.startup import prompt_jobs, startup_check
     from posttrain.models.loading import load_model, load_tokenizer, model_location
 
     # --- config ------------------------------------------------------------------------------------------------
@@ -163,6 +164,9 @@ def main(cfg, run: StageRun) -> dict:
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     rows, record = load_prompts(cfg.grpo.prompts, cfg.data.seed)
+    record["check"] = startup_check("grpo", prompt_jobs(cfg.grpo.prompts, rows), tokenizer,
+                                    getattr(args, "max_prompt_length", None), dict(cfg.grpo.chat_template_kwargs or {}),
+                                    cfg.get("eval"), cfg.data.seed)
     funcs = build_rewards(cfg, run)
     table_path = run.out_dir / COMPLETIONS
     resume = training.last_checkpoint(run)

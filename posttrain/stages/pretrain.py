@@ -21,6 +21,7 @@ def main(cfg, run: StageRun) -> dict:
     from trl import SFTTrainer
 
     from posttrain.data.tiny_world import plain_text
+    from posttrain.data.startup import startup_check, tiny_jobs
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     # --- config ------------------------------------------------------------------------------------------------
@@ -39,6 +40,9 @@ def main(cfg, run: StageRun) -> dict:
     model = build_tiny_model(cfg.model.arch, tokenizer, seed=cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("pretrain: tiny Qwen3 with %.2fM parameters, vocabulary %d", n_params / 1e6, len(tokenizer))
+    check = startup_check("pretrain", tiny_jobs([{"text": t} for t in texts], lambda r: "plain_text",
+                                                {"plain_text": cfg.data.pretrain_rows}, "tiny_world/plain_text"),
+                          tokenizer, args.max_length, None, cfg.get("eval"), cfg.data.seed)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -50,6 +54,6 @@ def main(cfg, run: StageRun) -> dict:
     # --- save + manifest ---------------------------------------------------------------------------------------
     metrics = {**training.train_metrics(trainer), "parameters": n_params, "rows": len(texts)}
     record = {"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
-              "content_sha256": sha256_json(texts)}
+              "content_sha256": sha256_json(texts), "check": check}
     return training.finish(run, trainer.model, tokenizer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume})

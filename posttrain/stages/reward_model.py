@@ -47,6 +47,7 @@ def main(cfg, run: StageRun) -> dict:
     from trl import RewardTrainer
 
     from posttrain.data.preferences import load_pairs
+    from posttrain.data.startup import pair_jobs, startup_check
     from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
     from rewards.reward_model import RewardModelScorer
 
@@ -74,6 +75,8 @@ def main(cfg, run: StageRun) -> dict:
     record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
               "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
     log.info("reward_model: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    record["check"] = startup_check("reward_model", pair_jobs(cfg.reward_model.pairs, train_pairs), tokenizer,
+                                    args.max_length, None, cfg.get("eval"), cfg.data.seed)
     columns = ("prompt", "chosen", "rejected")
     dataset = Dataset.from_list([{k: p[k] for k in columns} for p in train_pairs])  # family / kind stay out
 

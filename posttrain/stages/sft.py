@@ -60,6 +60,7 @@ def main(cfg, run: StageRun) -> dict:
     from datasets import Dataset
     from trl import SFTTrainer
 
+    from posttrain.data.startup import sft_jobs, startup_check
     from posttrain.models.loading import load_model, load_tokenizer, model_location
 
     # --- config ------------------------------------------------------------------------------------------------
@@ -83,6 +84,8 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- data: render through the chat template, mask everything but the assistant's turns ----------------------
     rows, record = load_rows(cfg.data)
+    record["check"] = startup_check("sft", sft_jobs(cfg.data, rows), tokenizer, args.max_length, template_kwargs,
+                                    cfg.get("eval"), cfg.data.seed)
     ids, masks, dropped = tokenize_rows(rows, tokenizer, record["id"], args.max_length, template_kwargs)
     n_tokens, n_trained = sum(map(len, ids)), sum(map(sum, masks))
     trained_fraction = n_trained / n_tokens

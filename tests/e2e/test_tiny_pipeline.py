@@ -35,6 +35,9 @@ def test_every_stage_wrote_a_complete_manifest(tiny_run):
         assert MANIFEST_KEYS <= set(manifest)
         assert manifest["stage"] == stage
         assert manifest["datasets"] and manifest["datasets"][0]["content_sha256"]
+        checks = manifest["datasets"][0]["check"]  # the start-up data check against the card
+        assert checks and all(c["ok"] and c["tokens"]["max"] > 0 for c in checks), checks
+        assert all(o["exact"] == 0 for c in checks for o in c["overlap"].values())
         assert manifest["metrics"]["global_step"] == manifest["config"][stage]["trainer"]["max_steps"]
         assert not (stage_dir / "checkpoints").exists()
     assert json.loads((pretrain / "manifest.json").read_text())["parent"] is None

@@ -93,6 +93,24 @@ def test_bad_dataset_row_is_named_and_nothing_is_finished(pretrained, tmp_path):
     assert not list(tmp_path.glob("d/*/manifest.json"))
 
 
+def test_eval_prompts_in_training_data_stop_the_stage_at_its_data_check(pretrained, tmp_path):
+    from tests.conftest import shared_path
+
+    gsm8k = shared_path("data", "gsm8k")
+    train = (gsm8k / "train.jsonl").read_text().splitlines()[:6]
+    leaked = json.loads((gsm8k / "test.jsonl").read_text().splitlines()[7])
+    leaked["question"] = "  " + leaked["question"].lower()  # the same prompt after normalisation
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(train[:3] + [json.dumps(leaked)] + train[3:]) + "\n")
+    result = posttrain("stage=grpo", f"parent={pretrained}", "grpo=gsm8k", f"grpo.prompts.path={prompts}",
+                       "grpo.trainer.max_steps=1", f"run.root={tmp_path}", "run.name=g")
+    assert result.returncode == 2
+    assert f"grpo: {prompts} breaks its data card (gsm8k)" in result.stderr
+    assert "1 prompts are eval prompts of gsm8k:test (after normalisation) (rows 4)" in result.stderr
+    assert "data check" in result.stderr and "rows      7, a sample of the 7,473-row train split" in result.stderr
+    assert not list(tmp_path.glob("g/*/manifest.json"))
+
+
 def test_misspelled_recipe_key_fails_before_anything_is_written(tmp_path):
     result = posttrain("run", "pipeline=tiny-ci", f"run.root={tmp_path}", "run.name=m", "+sft.trainer.learnin_rate=1")
     assert result.returncode == 2

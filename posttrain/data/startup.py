@@ -1,0 +1,125 @@
+"""The data check every training stage runs at start-up: the checks of `posttrain data check`, on the rows the
+stage is about to train on, with the stage's own tokenizer, chat-template options and max_length.
+
+A report that breaks the card stops the stage before any training step (DataError with the report); a passing
+one is logged and its summary goes into the stage manifest's dataset record under `check`.
+
+Row counts: rows from the hub are held to the card's split count unless the recipe takes a `limit`; a local file
+the card lists is held to its listed count; any other local file is reported as a sample of its split, since a
+user's own slice is not the full dataset and is not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from posttrain.data.cards import load_card
+from posttrain.data.check_cli import Job, eval_prompt_sets
+from posttrain.data.check import Report, check_rows
+from posttrain.data.dolly import DataError
+
+log = logging.getLogger("posttrain")
+
+
+def tiny_jobs(rows: list[dict], family_of: Callable[[dict], str], expected: dict[str, int], source: str) -> list[Job]:
+    """Generated rows grouped by the tiny-world family (card spec) each belongs to."""
+    card = load_card("tiny_world")
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(family_of(row), []).append(row)
+    return [Job(card.family(name), group, f"{source} ({name} rows)", None, expected_rows=expected.get(name))
+            for name, group in groups.items()]
+
+
+def file_job(card_id: str, rows: list[dict], path: str | None, hub_id: str | None, split: str,
+             limited: bool) -> Job:
+    """Rows read from a local file or the hub, with the split and sample status the card gives them."""
+    card = load_card(card_id)
+    if path:
+        resolved = Path(path).resolve()
+        entry = next((f for f in card.local if f.path.resolve() == resolved), None)
+        if entry is not None:
+            return Job(card.spec, rows, str(path), entry.split, sample=entry.sample or limited)
+        return Job(card.spec, rows, str(path), split, sample=True)
+    return Job(card.spec, rows, f"{hub_id}:{split}", split, sample=limited)
+
+
+def summary(report: Report) -> dict:
+    tokens = report.stats.get("tokens") or {}
+    return {"dataset": report.dataset, "ok": report.ok, "rows": report.rows, "row_note": report.row_note,
+            "tokens": {k: tokens[k] for k in ("p50", "p99", "max", "over_max_len") if k in tokens},
+            "trained_fraction": tokens.get("trained_fraction"),
+            "overlap": {o["eval_set"]: {"exact": o["exact"], "near": o["near"]}
+                        for o in report.stats.get("overlap", [])},
+            "warnings": [f.message for f in report.findings if f.level == "warning"]}
+
+
+def startup_check(stage: str, jobs: list[Job], tokenizer, max_len: int | None, template_kwargs: dict | None,
+                  eval_cfg, seed: int) -> list[dict]:
+    """Check each job; log the reports; raise DataError naming the broken card and its findings."""
+    max_len = max_len or (tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 2048)
+    tiny_n = dict(eval_cfg.n_prompts) if eval_cfg is not None and "n_prompts" in eval_cfg else None
+    summaries = []
+    for job in jobs:
+        exclude = f"{job.spec.card_id}:{job.split}" if job.split else None
+        sets, unavailable = eval_prompt_sets(job.spec.eval_overlap, exclude, tiny_n, seed)
+        # eval sets of the tiny world are only compared when the recipe sizes them (a tiny eval recipe)
+        report = check_rows(job.rows, job.spec, source=job.source, split=job.split, sample=job.sample,
+                            expected_rows=job.expected_rows, tokenizer=tokenizer,
+                            model=getattr(tokenizer, "name_or_path", "") or stage, max_len=max_len,
+                            completion_loss=stage != "reward_model",
+                            template_kwargs=template_kwargs, eval_sets=sets, unavailable=unavailable)
+        log.info("%s: data check\n%s", stage, report.text())
+        if not report.ok:
+            raise DataError(f"{stage}: {job.source} breaks its data card ({job.spec.name}); fix the data or the "
+                            f"card:\n" + "\n".join("  " + f.line() for f in report.errors()))
+        summaries.append(summary(report))
+    return summaries
+
+
+# --- what each stage trains on, as jobs ----------------------------------------------------------------------------
+def sft_jobs(data_cfg, rows: list[dict]) -> list[Job]:
+    if data_cfg.name == "tiny":
+        return tiny_jobs(rows, lambda r: r["family"], dict(data_cfg.counts), "tiny_world/sft")
+    return [file_job("databricks-dolly-15k", rows, data_cfg.path, data_cfg.hub_id, data_cfg.split,
+                     limited=bool(data_cfg.limit))]
+
+
+def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
+    """The training pairs of the reward model or DPO (held-out pairs are evaluation data, not checked here)."""
+    from dataclasses import replace
+
+    if pairs_cfg.source == "tiny":
+        return tiny_jobs(train_pairs, lambda r: "preference_pairs", {"preference_pairs": len(train_pairs)},
+                         "tiny_world/preference_pairs")
+    if pairs_cfg.source == "tiny_safety":
+        n_anchor = sum(p["family"] != "safety" for p in train_pairs)
+        return tiny_jobs(train_pairs, lambda r: "safety_pairs" if r["family"] == "safety" else "preference_pairs",
+                         {"safety_pairs": len(train_pairs) - n_anchor, "preference_pairs": n_anchor},
+                         "tiny_world/safety_pairs")
+    from posttrain.data.dolly import read_rows
+
+    if pairs_cfg.path:
+        raw = read_rows(Path(pairs_cfg.path))
+    else:
+        from datasets import load_dataset
+
+        raw = list(load_dataset(pairs_cfg.hub_id, split=pairs_cfg.split))
+    job = file_job("pku-saferlhf", raw, pairs_cfg.path, pairs_cfg.hub_id, pairs_cfg.split or "train",
+                   limited=bool(pairs_cfg.n_train))
+    # the recipe's preference and bad-row policy decide which rows are bad pairs, as in the stage itself
+    mapping = {**job.spec.mapping, "preference": pairs_cfg.preference, "on_bad_row": pairs_cfg.on_bad_row}
+    return [replace(job, spec=replace(job.spec, mapping=mapping))]
+
+
+def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:
+    if prompts_cfg.source == "tiny_arith":
+        return tiny_jobs(rows, lambda r: "arith_prompts", {"arith_prompts": prompts_cfg.n or 2000},
+                         "tiny_world/arith_prompts")
+    from posttrain.data.dolly import read_rows
+
+    raw = read_rows(Path(prompts_cfg.path))
+    raw = raw[: prompts_cfg.n] if prompts_cfg.n else raw  # the rows the stage takes
+    return [file_job("gsm8k", raw, prompts_cfg.path, None, "train", limited=bool(prompts_cfg.n))]
