@@ -124,3 +124,40 @@ def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: di
     write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config, config_hash=run.config_hash,
                    datasets=datasets, metrics=metrics, started_at=run.started_at, extra={"device": device, **extra})
     return metrics
+
+
+def launcher_strategy() -> str:
+    """The planner's name for how `accelerate launch` shards this run: ZeRO stage from DeepSpeed, FSDP as ZeRO-3
+    (it shards weights, gradients and optimizer states alike), else DDP."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "zero3"
+    return "ddp"
+
+
+def log_capacity_plan(stage: str, location, *, method: str, seq_len: int | None, micro_batch: int,
+                      lora_rank: int | None = None) -> str | None:
+    """On a GPU box, the capacity planner's verdict for this stage's model, method and launcher, logged before the
+    model loads (on CPU: nothing). A config the planner cannot read is a warning, never a failed stage."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
+
+    gpus = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory / 1e9
+    try:
+        plan = plan_model(load_config(location), gpus=gpus, gpu_mem_gb=gpu_mem, seq_len=seq_len or 4096,
+                          micro_batch=micro_batch, lora_rank=lora_rank or 16)
+        line = verdict_line(plan, method, launcher_strategy())
+    except (PlannerError, ValueError, OSError) as err:
+        log.warning("%s: capacity planner could not read %s: %s", stage, location, err)
+        return None
+    log.info("%s: capacity plan: %s", stage, line)
+    return line

@@ -36,6 +36,9 @@ def main(cfg, run: StageRun) -> dict:
     # --- models: the policy starts from the parent, which is also the frozen reference ---------------------------
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
+    training.log_capacity_plan("dpo", location, method="lora" if cfg.dpo.lora is not None else "full",
+                               seq_len=args.max_length, micro_batch=args.per_device_train_batch_size,
+                               lora_rank=cfg.dpo.lora.get("r") if cfg.dpo.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     peft_config, ref_model = None, None

@@ -161,6 +161,10 @@ def main(cfg, run: StageRun) -> dict:
     # --- model, prompts, rewards ---------------------------------------------------------------------------------
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
+    training.log_capacity_plan("grpo", location, method="lora" if cfg.grpo.lora is not None else "full",
+                               seq_len=(getattr(args, "max_prompt_length", None) or 512) + args.max_completion_length,
+                               micro_batch=args.per_device_train_batch_size,
+                               lora_rank=cfg.grpo.lora.get("r") if cfg.grpo.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     rows, record = load_prompts(cfg.grpo.prompts, cfg.data.seed)

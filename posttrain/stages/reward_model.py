@@ -58,6 +58,10 @@ def main(cfg, run: StageRun) -> dict:
     # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
+    training.log_capacity_plan("reward_model", location,
+                               method="lora" if cfg.reward_model.lora is not None else "full",
+                               seq_len=args.max_length, micro_batch=args.per_device_train_batch_size,
+                               lora_rank=cfg.reward_model.lora.get("r") if cfg.reward_model.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         location, num_labels=1, dtype=torch_dtype(cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code

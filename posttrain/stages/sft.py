@@ -71,6 +71,10 @@ def main(cfg, run: StageRun) -> dict:
     # --- model -------------------------------------------------------------------------------------------------
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
+    method = "qlora" if cfg.sft.qlora else ("lora" if cfg.sft.lora is not None else "full")
+    training.log_capacity_plan("sft", location, method=method, seq_len=args.max_length,
+                               micro_batch=args.per_device_train_batch_size,
+                               lora_rank=cfg.sft.lora.get("r") if cfg.sft.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model, load_in_4bit=cfg.sft.qlora)
     peft_config = None

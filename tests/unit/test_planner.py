@@ -326,3 +326,33 @@ def test_plan_from_a_dict_without_shared_data():
     plan = plan_model(toy_llama(), contexts=[10], batches=[1])
     assert plan.params.total == 2 * 1000 * 256 + 4 * 256 * 256 + 3 * 512 * 256 + 3 * 256
     assert plan.kv.bytes_per_token == 1 * 2 * 4 * 64 * 2 and math.isfinite(plan.decode[0].tokens_per_s)
+
+
+def test_stages_log_the_planner_verdict_on_a_gpu_box(monkeypatch, caplog):
+    """On a GPU box a stage logs the verdict for its model, method and launcher before loading the model."""
+    import logging
+
+    import torch
+
+    from posttrain.training import log_capacity_plan
+
+    config = str(shared_path("data", "reference", "configs", "llama-3.1-8b.config.json"))
+    assert log_capacity_plan("sft", config, method="full", seq_len=4096, micro_batch=1) is None  # CPU: nothing
+
+    class Props:
+        total_memory = 80e9
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        line = log_capacity_plan("sft", config, method="full", seq_len=4096, micro_batch=1)
+    assert "8.03B params" in line and "8x80 GB" in line and "full FT ZeRO-3 fits" in line
+    assert "sft: capacity plan:" in caplog.text
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert "full FT DDP DOES NOT FIT" in log_capacity_plan("sft", config, method="full", seq_len=4096, micro_batch=1)
+    bad = log_capacity_plan("sft", "/nonexistent/dir", method="full", seq_len=4096, micro_batch=1)
+    assert bad is None and "capacity planner could not read" in caplog.text
