@@ -242,3 +242,17 @@ def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
     assert "running" not in result.stderr  # no stage ran
     bad = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[nonesuch]")
     assert bad.returncode == 2 and "nonesuch" in bad.stderr and "dpo-int8" in bad.stderr
+
+
+def test_planner_counts_every_generator_checkpoint_exactly(tiny_run):
+    """Issue 7: from each checkpoint's config.json alone, the planner gives the loaded model's exact parameter count
+    and the KV bytes per token the engine's cache allocates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.integration.test_planner_models import check_against
+
+    run_dir, _ = tiny_run
+    for stage in ("00-pretrain", "01-sft", "03-grpo", "04-dpo"):
+        model_dir = run_dir / stage / "model"
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        check_against(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
