@@ -132,6 +132,13 @@ class PkuSuiteCfg:
 
 
 @dataclass
+class MathSuiteCfg:
+    path: str | None = None  # a local copy of the test split (JSONL / JSON list); null: the hub's test split
+    samples: int = 0  # replies sampled per prompt for pass@1 (0: greedy accuracy only)
+    max_new_tokens: int = 512  # reasoning models need room to think
+
+
+@dataclass
 class LatencyCfg:
     requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
     max_tokens: int = 32
@@ -148,6 +155,8 @@ class EvalCfg:
     checkpoints: list[str] = field(default_factory=list)  # `posttrain eval`: labels or stage dirs; empty = all
     latency: LatencyCfg = field(default_factory=LatencyCfg)
     pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
+    gsm8k: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # openai/gsm8k test, scored by the math verifier
+    math500: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # HuggingFaceH4/MATH-500, scored by the math verifier
 
 
 @dataclass

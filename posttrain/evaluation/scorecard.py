@@ -86,8 +86,10 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
         kwargs = {}
         if name == "arith":
             kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature}
-        elif name == "pku_saferlhf":
-            kwargs = dict(eval_cfg.pku_saferlhf)
+        elif name in ("pku_saferlhf", "gsm8k", "math500"):
+            kwargs = dict(eval_cfg[name])
+            if name != "pku_saferlhf":
+                kwargs["temperature"] = eval_cfg.temperature
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
     rows, shifts, quantization = [], {}, {}
     for stage_dir in stage_dirs:

@@ -93,8 +93,42 @@ def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model:
     return Suite("pku_saferlhf", rows, RewardModelSafety(reward_model, threshold), ("prompts",), max_new_tokens=128)
 
 
+def math_suite(name: str, hub_id: str, question: str, n: int, path: str | None, samples: int, temperature: float,
+               max_new_tokens: int, hub_config: str | None = None) -> Suite:
+    """The first `n` problems of a math test split (a local file, else the hub), scored by the math verifier: the
+    reply's final answer (boxed, "The answer is", or last number) against the gold answer, compared as values."""
+    from posttrain.data.dolly import DataError, read_rows
+
+    if path:
+        source, rows = path, read_rows(Path(path))
+    else:
+        from datasets import load_dataset
+
+        source, rows = f"{hub_id}:test", list(load_dataset(hub_id, hub_config, split="test"))
+    out = []
+    for i, row in enumerate(rows[:n], start=1):
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
+                                                for k in (question, "answer")):
+            raise DataError(f"{source}: row {i}: fields '{question}' and 'answer' must be non-empty strings")
+        out.append({"messages": [{"role": "user", "content": row[question]}], "answer": row["answer"]})
+    return Suite(name, out, REWARDS["math_verifier"], ("answer",), max_new_tokens=max_new_tokens, samples=samples,
+                 temperature=temperature)
+
+
+def gsm8k_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
+                max_new_tokens: int = 512) -> Suite:
+    """GSM8K test questions; the gold is the number after '####' in the reference solution."""
+    return math_suite("gsm8k", "openai/gsm8k", "question", n, path, samples, temperature, max_new_tokens, "main")
+
+
+def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
+                  max_new_tokens: int = 512) -> Suite:
+    """MATH-500 problems; gold answers are LaTeX, compared by value (math-verify)."""
+    return math_suite("math500", "HuggingFaceH4/MATH-500", "problem", n, path, samples, temperature, max_new_tokens)
+
+
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
-          "pku_saferlhf": pku_saferlhf_suite}
+          "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:
