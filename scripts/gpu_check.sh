@@ -4,12 +4,13 @@
 # so the missing / pinned packages travel as wheels in .whl/ (git-ignored through .git/info/exclude).
 #
 # Run from the repo root, through the device tool:  command "bash scripts/gpu_check.sh", carry [".whl"],
-# timeout_s ~520. It is sized to end in under 8 minutes (TOTAL_BUDGET): the pipeline (~2 minutes), the unit tests in
-# whatever time the decode benchmark does not need, then scripts/gpu_decode.py (~3 minutes: Triton kernel checks,
-# bandwidth, decode tokens/s of our engine and of transformers for bf16/int8/int4).
+# timeout_s ~520. It is sized to end in under 8 minutes (TOTAL_BUDGET): the pipeline (~2 minutes), one SFT step and
+# one GRPO step on a random ~0.5B Qwen3 (scripts/gpu_train_step.py, up to 100 s), the unit tests in whatever time
+# the decode benchmark does not need, then scripts/gpu_decode.py (~3 minutes: Triton kernel checks, bandwidth,
+# decode tokens/s of our engine and of transformers for bf16/int8/int4).
 # What comes back under $OUT (the device tool returns 8 files at most, so the per-stage manifests travel as one
-# file): pipeline.log, scorecard.md, manifests.json ({"NN-<stage>": manifest}), unit.log, gpu_decode.log,
-# gpu_decode.json. The runs themselves (model weights) stay under /tmp/gpu-runs on the machine.
+# file): pipeline.log, scorecard.md, manifests.json ({"NN-<stage>": manifest}), gpu_train_step.json, unit.log,
+# gpu_decode.log, gpu_decode.json (gpu_train_step.log is the eighth). The runs themselves (model weights) stay under /tmp/gpu-runs on the machine.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -18,7 +19,8 @@ RUNS=/tmp/gpu-runs
 RUN=gpu
 TOTAL_BUDGET=470      # seconds the whole script may take (the device tool's limit is 600)
 DECODE_RESERVE=210    # seconds kept for scripts/gpu_decode.py; the unit tests get what is left before it
-PIPELINE_LIMIT=240    # seconds for the pipeline itself
+PIPELINE_LIMIT=200    # seconds for the pipeline itself
+TRAIN_LIMIT=100       # seconds for scripts/gpu_train_step.py (one SFT step, one GRPO step at ~0.5B)
 mkdir -p "$OUT"
 START=$SECONDS
 say() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
@@ -153,7 +155,20 @@ for m in manifests.values():
 PY
 if [ -f "$OUT/scorecard.md" ]; then cat "$OUT/scorecard.md"; fi
 
-# --- 5. unit tests, only if time is left before the decode benchmark's reserve ---------------------------------------
+# --- 5. one SFT step and one GRPO step on a random Qwen3 of ~0.5B (vLLM colocated rollouts when vLLM is here) -------
+LEFT=$((TOTAL_BUDGET - DECODE_RESERVE - (SECONDS - START)))
+TRAIN_RC=0
+if [ "$LEFT" -gt 60 ]; then
+    LIMIT=$((LEFT < TRAIN_LIMIT ? LEFT : TRAIN_LIMIT))
+    say "gpu_train_step.py (timeout ${LIMIT}s)"
+    timeout "$LIMIT" python3 scripts/gpu_train_step.py --json "$OUT/gpu_train_step.json" 2>&1 \
+        | grep -v 'it/s]' | tee "$OUT/gpu_train_step.log" || TRAIN_RC=$?
+    say "gpu_train_step.py exit status $TRAIN_RC (1 = a step failed, 124 = cut at the timeout)"
+else
+    say "skipping gpu_train_step.py: ${LEFT}s left before the ${DECODE_RESERVE}s kept for gpu_decode.py"
+fi
+
+# --- 6. unit tests, only if time is left before the decode benchmark's reserve ---------------------------------------
 LEFT=$((TOTAL_BUDGET - DECODE_RESERVE - (SECONDS - START)))
 if [ "$LEFT" -gt 30 ]; then
     LIMIT=$((LEFT < 150 ? LEFT : 150))
@@ -164,7 +179,7 @@ else
     say "skipping unit tests: ${LEFT}s left before the ${DECODE_RESERVE}s kept for gpu_decode.py"
 fi
 
-# --- 6. decode speed: our engine vs transformers, bf16 / int8 / int4, against the bandwidth ceiling ------------------
+# --- 7. decode speed: our engine vs transformers, bf16 / int8 / int4, against the bandwidth ceiling ------------------
 # gpu_decode.py stops starting rows when its --budget-s is spent (a row takes up to ~30 s) and rewrites its JSON
 # after every row, so the hard timeout below, should it strike, still leaves the rows measured so far.
 LEFT=$((TOTAL_BUDGET - (SECONDS - START)))
