@@ -182,6 +182,11 @@ class PipelineCfg:
     name: str = "tiny"
     stages: list[str] = field(default_factory=lambda: ["pretrain", "sft"])
     evaluate: bool = True
+    # How each training stage runs: single (in this process) | a name in recipes/accelerate/ (ddp, fsdp2, zero2,
+    # zero3, ...) | a path to an accelerate YAML. Not single: `accelerate launch --config_file <it> <launcher_args>`
+    # runs the stage (posttrain.launch); $POSTTRAIN_LAUNCHER_ARGS adds arguments (tests: --num_processes 2).
+    launcher: str = "single"
+    launcher_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +213,7 @@ class RootCfg:
     stage: str | None = None  # run one stage by name
     parent: str | None = None  # the parent artifact of a single stage (a run's stage directory)
     seed: int = 0
+    overrides: list[str] = field(default_factory=list)  # set by compose: the command line, for launched stages
 
 
 TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig",
@@ -227,13 +233,19 @@ QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", 
 
 
 # --- composition -----------------------------------------------------------------------------------------------------
+OPTIONAL_KEYS = ("pipeline.launcher", "pipeline.launcher_args")  # schema keys a pipeline recipe may leave out
+
+
 def normalize_overrides(overrides: list[str]) -> list[str]:
-    """`model=<hub id or path>` is not a recipe file: turn it into `model=hf model.name_or_path=<it>`."""
+    """`model=<hub id or path>` is not a recipe file: turn it into `model=hf model.name_or_path=<it>`. Keys in
+    OPTIONAL_KEYS may be set on the command line whether or not the pipeline recipe names them."""
     out = []
     for item in overrides:
         key, _, value = item.partition("=")
         if key == "model" and value and not (RECIPES_DIR / "model" / f"{value}.yaml").exists():
             out += ["model=hf", f"model.name_or_path={value}", f"model.name={value.rstrip('/').split('/')[-1]}"]
+        elif key in OPTIONAL_KEYS:
+            out.append(f"++{item}")  # set it whether or not the pipeline recipe has the key (Hydra needs ++ for that)
         else:
             out.append(item)
     return out
@@ -246,7 +258,8 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    overrides = normalize_overrides(list(overrides or []))
+    given = list(overrides or [])
+    overrides = normalize_overrides(given)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
@@ -256,6 +269,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     choices = dict(cfg.hydra.runtime.choices)
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
     with_hydra.pop("hydra")
+    with_hydra["overrides"] = given  # a launched stage composes its config again from these (posttrain.launch)
     return validate(OmegaConf.create(with_hydra), choices, overrides)
 
 

@@ -6,6 +6,9 @@ was killed resumes from its last trainer checkpoint; a stage whose config or par
 Stages that do not produce a generator (the reward model) do not become the next stage's parent: the chain
 base -> sft -> reward_model -> grpo -> dpo trains GRPO on the SFT model and hands it the reward model as an
 input; DPO then starts from (and is regularized towards) the GRPO model.
+
+`pipeline.launcher` other than single runs each training stage under `accelerate launch` with that config
+(posttrain.launch); the skip check and the hand-off between stages stay here, in the parent process.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from posttrain import tracking
+from omegaconf import OmegaConf
+
+from posttrain import tracking, training
 from posttrain.artifacts import manifest_sha256, read_manifest, verify_artifact
 from posttrain.config import stage_view
 from posttrain.training import StageRun, stage_hash
@@ -36,37 +41,62 @@ LEAF_STAGES = {"quantize"}  # end points: `quantize:int8` and `quantize:int4` bo
 
 
 def run_dir_of(cfg) -> tuple[Path, str]:
+    training.quiet_other_ranks()
     name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    if not cfg.run.name and training.world_size() > 1:
+        # several processes (torchrun, accelerate launch): each read its own clock; rank 0's names the run
+        stages = [cfg.stage] if cfg.stage else list(cfg.pipeline.stages)
+        first = next((s for s in stages if s in cfg and "trainer" in cfg[s]), None)
+        training.init_distributed(OmegaConf.to_container(cfg[first].trainer, resolve=True) if first else None)
+        name = training.from_main_process(name)
     return Path(cfg.run.root) / name, name
 
 
-def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
-              inputs: dict[str, Path] | None = None) -> Path:
-    mains = stage_mains()
+def stage_run(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
+              inputs: dict[str, Path] | None = None) -> StageRun:
+    """Where stage `name` writes and the config hash that decides skip / resume (the same in a launched child)."""
     base = name.partition(":")[0]  # quantize:<variant>
-    if base not in mains:
-        raise ValueError(f"unknown stage '{name}'; valid stages: {', '.join(mains)}")
+    if base not in stage_mains():
+        raise ValueError(f"unknown stage '{name}'; valid stages: {', '.join(stage_mains())}")
     out_dir = run_dir / f"{index:02d}-{name.replace(':', '-')}"
     config = stage_view(cfg, name)
     inputs = dict(inputs or {})
     digest = stage_hash(config, manifest_sha256(parent) if parent else None,
                         {k: manifest_sha256(v) for k, v in inputs.items()})
-    manifest = read_manifest(out_dir)
-    if manifest is not None and manifest.get("config_hash") == digest:
-        verify_artifact(out_dir)
-        log.info("%s: up to date (%s), skipped", name, out_dir)
-        return out_dir
-    tracking.configure(cfg.tracking, run_dir, run_name, name)
-    run = StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name,
-                   inputs=inputs)
-    log.info("%s: running -> %s", name, out_dir)
+    return StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name,
+                    inputs=inputs)
+
+
+def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
+              inputs: dict[str, Path] | None = None) -> Path:
+    from posttrain.launch import launcher_for
+
+    run = stage_run(cfg, name, index, parent, run_dir, run_name, inputs)
+    manifest = read_manifest(run.out_dir)
+    if manifest is not None and manifest.get("config_hash") == run.config_hash:
+        verify_artifact(run.out_dir)
+        log.info("%s: up to date (%s), skipped", name, run.out_dir)
+        return run.out_dir
+    log.info("%s: running -> %s", name, run.out_dir)
     started = time.perf_counter()
+    config_file = launcher_for(cfg, name)
+    if config_file is not None:  # training stage, launcher not single: `accelerate launch` runs it
+        from posttrain.launch import launch_stage
+
+        launch_stage(cfg, run, run_dir, config_file)
+    else:
+        execute_stage(cfg, run, run_dir)
+    log.info("%s: done in %.1f s", name, time.perf_counter() - started)
+    return run.out_dir
+
+
+def execute_stage(cfg, run: StageRun, run_dir: Path) -> None:
+    """Run the stage function in this process (in a launched child: in each of its processes)."""
+    tracking.configure(cfg.tracking, run_dir, run.run_name, run.name)
     try:
-        mains[base](cfg, run)
+        stage_mains()[run.name.partition(":")[0]](cfg, run)
     finally:
         finish_tracking()
-    log.info("%s: done in %.1f s", name, time.perf_counter() - started)
-    return out_dir
 
 
 def finish_tracking() -> None:
@@ -79,10 +109,30 @@ def finish_tracking() -> None:
             wandb.finish()
 
 
+def check_processes(cfg, stages: list[str], evaluate: bool) -> None:
+    """Under several processes (torchrun, accelerate launch) only training stages run: quantize and eval are
+    one-process work, and would run, and write, once per rank."""
+    from posttrain.config import RecipeError
+    from posttrain.launch import TRAINING_STAGES
+
+    if training.world_size() == 1:
+        return
+    other = [s for s in stages if s.partition(":")[0] not in TRAINING_STAGES] + (["eval"] if evaluate else [])
+    if other:
+        raise RecipeError(f"{', '.join(other)} run in one process, and this is one of {training.world_size()}: "
+                          f"under torchrun / accelerate launch give only training stages ({', '.join(TRAINING_STAGES)})"
+                          f" and pipeline.evaluate=false, or run `posttrain run` in one process with "
+                          f"pipeline.launcher=<name>, which launches only the training stages")
+
+
 def run_pipeline(cfg) -> Path:
     from posttrain.evaluation.run import evaluate
 
+    from posttrain.launch import launcher_config
+
+    check_processes(cfg, list(cfg.pipeline.stages), cfg.pipeline.evaluate)
     run_dir, run_name = run_dir_of(cfg)
+    launcher_config(cfg.pipeline.launcher)  # a launcher that does not exist fails before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     log.info("pipeline %s: stages %s -> %s", cfg.pipeline.name, list(cfg.pipeline.stages), run_dir)
     started = time.perf_counter()
@@ -103,7 +153,11 @@ def run_pipeline(cfg) -> Path:
 
 def run_single_stage(cfg) -> Path:
     """`posttrain stage=<name>`: one stage, on `parent=<artifact>` or on the model the recipe names."""
+    from posttrain.launch import launcher_config
+
+    check_processes(cfg, [cfg.stage], False)
     run_dir, run_name = run_dir_of(cfg)
+    launcher_config(cfg.pipeline.launcher)
     parent = Path(cfg.parent) if cfg.parent else None
     index = 0
     if parent is not None:

@@ -1,8 +1,16 @@
-"""What every training stage shares: the stage directory's life cycle, TRL config construction, resume, saving."""
+"""What every training stage shares: the stage directory's life cycle, TRL config construction, resume, saving.
+
+Under several processes (`torchrun` or `accelerate launch`) every rank runs the whole stage, but only rank 0
+touches the stage directory: `begin` prepares it on rank 0 while the others wait at a barrier, `finish` saves the
+model and writes the manifest on rank 0 after every rank has finished training, and everyone leaves `finish`
+together so no rank reads a half-written artifact in the next stage.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +22,10 @@ from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
 
 log = logging.getLogger("posttrain")
 INTENT = ".config_hash"  # written when a stage starts: checkpoints of another config are stale
+DDP_TIMEOUT_ENV = "POSTTRAIN_DDP_TIMEOUT"  # seconds a collective waits for a peer (recipe: trainer.ddp_timeout)
+DDP_TIMEOUT_DEFAULT = 1800  # transformers' own default
+FAULT_ENV = "POSTTRAIN_FAULT_INJECT"  # test hook: "rank=1,step=2[,stage=sft]" raises in that rank at that step
+DIGEST_ENV = "POSTTRAIN_WEIGHT_DIGEST_DIR"  # test hook: each rank writes <dir>/<stage>.rank<r>.sha256 in finish
 
 
 @dataclass
@@ -44,16 +56,111 @@ def stage_hash(config: dict, parent_manifest_sha: str | None, inputs: dict[str, 
     return sha256_json({"config": config, "parent": parent_manifest_sha})
 
 
+# --- processes: rank, barrier, timeout ------------------------------------------------------------------------------
+def world_size() -> int:
+    """Processes in this run, from the launcher's environment (torchrun / accelerate launch set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def ddp_timeout(trainer_block: dict | None = None) -> int:
+    """Seconds a collective waits for a peer before failing: the recipe's trainer.ddp_timeout, else
+    $POSTTRAIN_DDP_TIMEOUT, else 1800. Tests set the variable low so a dead peer fails the stage in about a minute."""
+    if trainer_block and trainer_block.get("ddp_timeout") is not None:
+        return int(trainer_block["ddp_timeout"])
+    return int(os.environ.get(DDP_TIMEOUT_ENV, DDP_TIMEOUT_DEFAULT))
+
+
+def init_distributed(trainer_block: dict | None = None) -> None:
+    """Start the process group (gloo on CPU, NCCL on GPUs) with our timeout, before the trainer does.
+
+    transformers starts it without a timeout when `use_cpu` is set, and keeps a group that already exists, so the
+    timeout only holds if the group is made here first. One process: nothing to start.
+    """
+    if world_size() == 1:
+        return
+    quiet_other_ranks()
+    if is_distributed_ready():
+        return
+    from datetime import timedelta
+
+    import torch
+    from accelerate import PartialState
+
+    cpu = bool((trainer_block or {}).get("use_cpu")) or not torch.cuda.is_available()
+    PartialState(cpu=cpu, timeout=timedelta(seconds=ddp_timeout(trainer_block)))
+
+
+def quiet_other_ranks() -> None:
+    """Rank 0 tells the story (stage progress, the data check); the other ranks only warn."""
+    if not is_main_process():
+        log.setLevel(logging.WARNING)
+
+
+def is_distributed_ready() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _process_group():
+    """torch.distributed, once init_distributed has run. The collectives below call it directly rather than
+    through PartialState: transformers resets PartialState when it builds TrainingArguments, and a PartialState
+    rebuilt without cpu=True on a CPU machine reports no distribution and would skip the barrier silently."""
+    import torch.distributed as dist
+
+    if not is_distributed_ready():
+        raise RuntimeError(f"rank {rank()} of {world_size()}: a collective before the process group was started "
+                           "(posttrain.training.init_distributed)")
+    return dist
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process). Fails, rather than hangs, when a peer is dead."""
+    if world_size() > 1:
+        _process_group().barrier()
+
+
+def from_main_process(value):
+    """Rank 0's value on every rank (one process: the value)."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    _process_group().broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_rows(rows: list) -> list:
+    """Every rank's rows, in rank order (the order of the trainer's global batch); one process: the rows."""
+    if world_size() == 1:
+        return rows
+    parts: list = [None] * world_size()
+    _process_group().all_gather_object(parts, rows)
+    return [row for part in parts for row in part]
+
+
+# --- the stage directory ---------------------------------------------------------------------------------------------
 def begin(run: StageRun) -> None:
-    """Make the stage directory ready: an old manifest stops looking finished first; stale checkpoints go."""
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.out_dir / MANIFEST).unlink(missing_ok=True)
-    intent = run.out_dir / INTENT
-    if intent.exists() and intent.read_text().strip() != run.config_hash:
-        log.info("%s: config or parent changed since the last attempt; discarding its checkpoints", run.name)
-        shutil.rmtree(run.checkpoints, ignore_errors=True)
-    shutil.rmtree(run.model_dir, ignore_errors=True)
-    intent.write_text(run.config_hash)
+    """Make the stage directory ready: an old manifest stops looking finished first; stale checkpoints go.
+    Rank 0 does it; the others wait, so no rank sees a half-prepared directory."""
+    init_distributed(run.config.get(run.name, {}).get("trainer"))
+    if is_main_process():
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        (run.out_dir / MANIFEST).unlink(missing_ok=True)
+        intent = run.out_dir / INTENT
+        if intent.exists() and intent.read_text().strip() != run.config_hash:
+            log.info("%s: config or parent changed since the last attempt; discarding its checkpoints", run.name)
+            shutil.rmtree(run.checkpoints, ignore_errors=True)
+        shutil.rmtree(run.model_dir, ignore_errors=True)
+        intent.write_text(run.config_hash)
+    barrier()
 
 
 def last_checkpoint(run: StageRun) -> str | None:
@@ -91,6 +198,7 @@ def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg):
     kwargs["report_to"] = tracking.report_to(tracking_cfg)
     kwargs.setdefault("run_name", f"{run.run_name}/{run.name}")
     kwargs.setdefault("save_strategy", "steps")
+    kwargs["ddp_timeout"] = ddp_timeout(kwargs)
     return getattr(trl, class_name)(**kwargs)
 
 
@@ -105,10 +213,27 @@ def train_metrics(trainer) -> dict:
     }
 
 
-def save_model(model, tokenizer, run: StageRun) -> None:
-    """Write model/ (safetensors, config, tokenizer with its chat template) for the artifact."""
-    model.save_pretrained(run.model_dir, safe_serialization=True)
+def save_model(model, tokenizer, run: StageRun, state_dict: dict | None = None) -> None:
+    """Write model/ (safetensors, config, tokenizer with its chat template) for the artifact; `state_dict`: the
+    gathered weights of a sharded model (see full_state_dict)."""
+    model.save_pretrained(run.model_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(run.model_dir)
+
+
+def full_state_dict(trainer, model) -> dict | None:
+    """Under FSDP or DeepSpeed ZeRO-3 each rank holds a shard of the weights: gather one full state dict (a
+    collective, so every rank calls it; rank 0 gets the weights). None when the weights are whole on every rank
+    (one process, DDP, ZeRO-1/2): the model saves its own."""
+    if trainer is None:
+        return None
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    if not (zero3 or trainer.is_fsdp_enabled):
+        return None
+    if model is not trainer.model:
+        raise RuntimeError(f"rank {rank()}: the model to save is not the trainer's (LoRA adapters merged?); saving "
+                           "a merged model is not supported under FSDP / ZeRO-3: use launcher ddp or zero2")
+    # DeepSpeed gathers through its engine (stage3_gather_16bit_weights_on_model_save); FSDP2 through the module
+    return trainer.accelerator.get_state_dict(trainer.model_wrapped if zero3 else trainer.model)
 
 
 def drop_checkpoints(run: StageRun) -> None:
@@ -116,14 +241,100 @@ def drop_checkpoints(run: StageRun) -> None:
     shutil.rmtree(run.checkpoints, ignore_errors=True)
 
 
-def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: dict, extra: dict) -> dict:
-    """Save model/, drop the trainer checkpoints, then write the manifest last: the stage is now an artifact."""
+def shared_dataset(dataset, run: StageRun, name: str):
+    """Under several processes, the dataset saved once (rank 0) under checkpoints/ and read back by every rank.
+
+    TRL's DPO caches the precomputed reference log-probabilities next to the dataset's files and has rank 0
+    write that cache for the others to read; an in-memory dataset's cache lives in a temporary folder of each
+    process, where the other ranks cannot find it. One process: the dataset as it is.
+    """
+    if world_size() == 1:
+        return dataset
+    from datasets import load_from_disk
+
+    path = run.checkpoints / f"dataset-{name}"  # goes with the checkpoints when the stage finishes
+    if is_main_process():
+        shutil.rmtree(path, ignore_errors=True)
+        dataset.save_to_disk(str(path))
+    barrier()
+    return load_from_disk(str(path))
+
+
+def save_adapter(model, run: StageRun) -> None:
+    """LoRA adapters to <stage>/adapter (rank 0), readable by every rank once this returns."""
+    if is_main_process():
+        model.save_pretrained(run.out_dir / "adapter")
+    barrier()
+
+
+def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: dict, extra: dict,
+           trainer=None) -> dict:
+    """Save model/, drop the trainer checkpoints, then write the manifest last: the stage is now an artifact.
+
+    Only rank 0 writes, after every rank has finished training (a rank that died never gets here, so neither
+    does the manifest); every rank leaves together, so the next stage never reads a half-written artifact.
+    `trainer` lets a sharded model (FSDP, ZeRO-3) be gathered before rank 0 saves it.
+    """
     device = str(next(model.parameters()).device)  # where the weights were trained (cpu, cuda:0, ...)
-    save_model(model, tokenizer, run)
-    drop_checkpoints(run)
-    write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config, config_hash=run.config_hash,
-                   datasets=datasets, metrics=metrics, started_at=run.started_at, extra={"device": device, **extra})
+    state_dict = full_state_dict(trainer, model)
+    write_weight_digest(model, run)
+    barrier()
+    if is_main_process():
+        save_model(model, tokenizer, run, state_dict)
+        drop_checkpoints(run)
+        write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config,
+                       config_hash=run.config_hash, datasets=datasets, metrics=metrics, started_at=run.started_at,
+                       extra={"device": device, "processes": world_size(), **extra})
+    barrier()
     return metrics
+
+
+# --- test hooks ------------------------------------------------------------------------------------------------------
+def write_weight_digest(model, run: StageRun) -> None:
+    """Test hook: with $POSTTRAIN_WEIGHT_DIGEST_DIR set, every rank writes the sha256 of its final weights (names,
+    shapes and bytes in name order) to <dir>/<stage>.rank<r>.sha256, so a test can see that the ranks agree."""
+    target = os.environ.get(DIGEST_ENV)
+    if not target:
+        return
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
+        digest.update(data.view(-1).view(torch.uint8).numpy().tobytes())
+    Path(target).mkdir(parents=True, exist_ok=True)
+    (Path(target) / f"{run.name.replace(':', '-')}.rank{rank()}.sha256").write_text(digest.hexdigest())
+
+
+def fault_injection() -> dict | None:
+    """{"rank", "step"[, "stage"]} from $POSTTRAIN_FAULT_INJECT="rank=1,step=2[,stage=sft]", or None when unset."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    try:
+        fields = dict(part.split("=", 1) for part in spec.replace(" ", "").split(","))
+        return {"rank": int(fields["rank"]), "step": int(fields["step"]), "stage": fields.get("stage")}
+    except (KeyError, ValueError):
+        raise ValueError(f"{FAULT_ENV}='{spec}': expected 'rank=<int>,step=<int>[,stage=<name>]'") from None
+
+
+def install_test_hooks(trainer, run: StageRun) -> None:
+    """Test hook: with $POSTTRAIN_FAULT_INJECT set, the named rank raises when it starts the named training step (of
+    the named stage, or of every stage), as a crashed process would. Nothing is added when the variable is unset."""
+    target = fault_injection()
+    if target is None or target["stage"] not in (None, run.name):
+        return
+    from transformers import TrainerCallback
+
+    class FaultInjection(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            # global_step counts finished steps: step N begins when N - 1 are done
+            if rank() == target["rank"] and state.global_step + 1 == target["step"]:
+                raise RuntimeError(f"{FAULT_ENV}: injected failure in rank {rank()} at step {target['step']} "
+                                   f"of {run.name}")
+
+    trainer.add_callback(FaultInjection())
 
 
 def launcher_strategy() -> str:

@@ -59,6 +59,7 @@ def main(cfg, run: StageRun) -> dict:
     record["check"] = startup_check("dpo", pair_jobs(cfg.dpo.pairs, train_pairs), tokenizer, args.max_length,
                                     None, cfg.get("eval"), cfg.data.seed)
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in train_pairs])
+    dataset = training.shared_dataset(dataset, run, "pairs")  # several processes share TRL's reference cache
 
     # --- the reference's log-probabilities on held-out pairs, before any update ---------------------------------
     batch = args.per_device_eval_batch_size or 32
@@ -70,10 +71,11 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("dpo: resuming from %s", resume)
+    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
     if peft_config is not None:
-        model.save_pretrained(run.out_dir / "adapter")
+        training.save_adapter(model, run)  # rank 0 writes, every rank may read
         model = model.merge_and_unload()
 
     # --- how the held-out likelihoods moved, then save -----------------------------------------------------------
@@ -81,6 +83,6 @@ def main(cfg, run: StageRun) -> dict:
     shift = likelihood_shift(reference, policy, args.beta, held_out)
     log.info("dpo: %s", render_shift(shift))
     metrics = {**training.train_metrics(trainer), "likelihood_shift": shift}
-    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location), "reference": str(location),
                                   "lora": peft_config is not None})

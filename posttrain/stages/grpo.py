@@ -86,6 +86,13 @@ class RewardTable:
         from rewards.text import completion_text
 
         per_func, self.pending = self.pending, {}
+        if training.world_size() > 1:
+            # each process scored its own slice of the generation batch: gather them in rank order (the trainer's
+            # global order, so groups stay whole); every rank logs the same statistics, rank 0 writes the table
+            names = list(per_func)
+            rows = training.gather_rows([list(r) for r in zip(prompts, completions, *(per_func[n] for n in names))])
+            prompts, completions = [r[0] for r in rows], [r[1] for r in rows]
+            per_func = {n: [r[2 + k] for r in rows] for k, n in enumerate(names)}
         totals = []
         for i in range(len(completions)):
             parts = [(per_func[n][i], w) for n, (_, w) in self.funcs.items() if per_func[n][i] is not None]
@@ -102,6 +109,8 @@ class RewardTable:
             log_metric("advantages/max", max(advantages))
             log_metric("advantages/min", min(advantages))
         self.history.append({"step": step, "reward": sum(usable) / len(usable), "equal_reward_groups": equal})
+        if not training.is_main_process():
+            return
         with self.path.open("a") as f:
             for i, completion in enumerate(completions):
                 prompt = prompts[i]
@@ -174,7 +183,7 @@ def main(cfg, run: StageRun) -> dict:
     funcs = build_rewards(cfg, run)
     table_path = run.out_dir / COMPLETIONS
     resume = training.last_checkpoint(run)
-    if not resume:
+    if not resume and training.is_main_process():
         table_path.unlink(missing_ok=True)  # a fresh start owns the table; a resumed one appends to it
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
@@ -193,6 +202,7 @@ def main(cfg, run: StageRun) -> dict:
                           processing_class=tokenizer, peft_config=peft_config)
     if resume:
         log.info("grpo: resuming from %s", resume)
+    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save ----------------------------------------------------------------------------------------------------
@@ -207,5 +217,5 @@ def main(cfg, run: StageRun) -> dict:
         log.info("grpo: mean reward by logging step: %s",
                  " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))
     reward_model = str(run.inputs.get("reward_model")) if "reward_model" in funcs else None
-    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location), "reward_model": reward_model})

@@ -49,11 +49,12 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("pretrain: resuming from %s", resume)
+    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save + manifest ---------------------------------------------------------------------------------------
     metrics = {**training.train_metrics(trainer), "parameters": n_params, "rows": len(texts)}
     record = {"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
               "content_sha256": sha256_json(texts), "check": check}
-    return training.finish(run, trainer.model, tokenizer, datasets=[record], metrics=metrics,
+    return training.finish(run, trainer.model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume})

@@ -92,6 +92,7 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("reward_model: resuming from %s", resume)
+    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
     if peft_config is not None:
@@ -103,6 +104,6 @@ def main(cfg, run: StageRun) -> dict:
              held["held_out_pairs"], held["pairwise_accuracy_by_family"])
     metrics = {**training.train_metrics(trainer), **held,
                "pairwise_accuracy_before_training": before["pairwise_accuracy"]}
-    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location),
                                   "head": "sequence-classification, 1 output"})

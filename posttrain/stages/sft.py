@@ -106,6 +106,7 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("sft: resuming from %s", resume)
+    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save: LoRA adapters are merged, so the artifact is a plain model directory ----------------------------
@@ -114,7 +115,7 @@ def main(cfg, run: StageRun) -> dict:
         lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
         if not lora_b or all(torch.count_nonzero(p) == 0 for p in lora_b):
             raise RuntimeError("sft: LoRA B matrices are still zero after training: the adapters got no gradient")
-        model.save_pretrained(run.out_dir / "adapter")
+        training.save_adapter(model, run)  # rank 0 writes, every rank may read
         if cfg.sft.qlora:  # merge into full-precision weights, not into the 4-bit ones
             from peft import PeftModel
 
@@ -127,5 +128,5 @@ def main(cfg, run: StageRun) -> dict:
         "tokens": n_tokens,
         "assistant_token_fraction": trained_fraction,
     }
-    return training.finish(run, model, tokenizer, datasets=[record], metrics=metrics,
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location)})
