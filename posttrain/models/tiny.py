@@ -1,5 +1,8 @@
 """The tiny world's model and tokenizer, built by the project: a few-million-parameter Qwen3 and a byte-level BPE.
 
+With `arch.num_experts > 0` the model is a Qwen3-MoE instead (`model=tiny-moe`): top-k routed SwiGLU experts in
+every `decoder_sparse_step`-th layer, trained with the router's load-balancing loss (TRL adds it; see build_tiny_model).
+
 The tokenizer carries Qwen3-style control tokens. `<|endoftext|>`, `<|im_start|>` and `<|im_end|>` are special;
 `<think>`, `</think>`, `<tool_call>`, ... are added tokens that are *not* special, as in real Qwen3 tokenizers:
 TRL decodes completions with `skip_special_tokens=True` before rewards see them, and a special `</think>` would
@@ -33,6 +36,13 @@ class TinyArch:
     head_dim: int = 64
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    # Mixture of experts (Qwen3-MoE). 0 experts = the dense Qwen3 above; the knobs below are then unused.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k experts each token is routed to
+    moe_intermediate_size: int = 256  # one expert's SwiGLU width (intermediate_size stays for dense layers)
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss TRL adds to every stage's loss
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0; the others keep a dense MLP
 
 
 def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
@@ -68,11 +78,15 @@ def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
 
 
 def build_tiny_model(arch: TinyArch, tokenizer, seed: int = 0):
-    """A randomly initialised Qwen3 causal LM sized by `arch`, with ids matching `tokenizer`."""
+    """A randomly initialised Qwen3 causal LM sized by `arch` (Qwen3-MoE when `arch.num_experts > 0`), with ids
+    matching `tokenizer`."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(
+    if arch.num_experts > 0 and not 0 < arch.num_experts_per_tok <= arch.num_experts:
+        raise ValueError(f"model.arch.num_experts_per_tok={arch.num_experts_per_tok} must be in "
+                         f"1..num_experts={arch.num_experts}")
+    common = dict(
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,
@@ -87,7 +101,25 @@ def build_tiny_model(arch: TinyArch, tokenizer, seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    if arch.num_experts > 0:
+        # The load-balancing loss is trained without output_router_logits=True in the config: TRL's SFT, GRPO and DPO
+        # trainers see a config that has the flag and a non-zero router_aux_loss_coef, request the router logits on
+        # every training forward and add coef x aux_loss to their loss (their `aux_loss_enabled`). Left on in the
+        # saved config, the flag breaks `generate` with a KV cache (transformers computes the aux loss on every decode
+        # step against the whole attention mask: transformers#30731), which GRPO's sampling uses.
+        config = Qwen3MoeConfig(
+            **common,
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.num_experts_per_tok,
+            moe_intermediate_size=arch.moe_intermediate_size,
+            router_aux_loss_coef=arch.router_aux_loss_coef,
+            norm_topk_prob=arch.norm_topk_prob,
+            decoder_sparse_step=arch.decoder_sparse_step,
+            output_router_logits=False,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     model.generation_config.eos_token_id = [
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
         tokenizer.convert_tokens_to_ids("<|endoftext|>"),

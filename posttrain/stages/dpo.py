@@ -28,6 +28,7 @@ def main(cfg, run: StageRun) -> dict:
     from posttrain.data.startup import pair_jobs, startup_check
     from posttrain.evaluation.likelihood import likelihood_shift, render_shift, reply_logprobs
     from posttrain.models.loading import load_model, load_tokenizer, model_location
+    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
@@ -66,8 +67,9 @@ def main(cfg, run: StageRun) -> dict:
     reference = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: reference log-probs")
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
-                         processing_class=tokenizer, peft_config=peft_config)
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
     resume = training.last_checkpoint(run)
     if resume:
         log.info("dpo: resuming from %s", resume)
@@ -82,7 +84,7 @@ def main(cfg, run: StageRun) -> dict:
     policy = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: policy log-probs")
     shift = likelihood_shift(reference, policy, args.beta, held_out)
     log.info("dpo: %s", render_shift(shift))
-    metrics = {**training.train_metrics(trainer), "likelihood_shift": shift}
+    metrics = {**training.train_metrics(trainer), **moe.metrics(), "likelihood_shift": shift}
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location), "reference": str(location),
                                   "lora": peft_config is not None})

@@ -159,6 +159,7 @@ def main(cfg, run: StageRun) -> dict:
 
     from posttrain.data.startup import prompt_jobs, startup_check
     from posttrain.models.loading import load_model, load_tokenizer, model_location
+    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
@@ -198,8 +199,9 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
+    moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = GRPOTrainer(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, peft_config=peft_config)
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
     if resume:
         log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
@@ -211,7 +213,8 @@ def main(cfg, run: StageRun) -> dict:
         model = model.merge_and_unload()
     curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
              for h in trainer.state.log_history if "reward" in h]
-    metrics = {**training.train_metrics(trainer), "reward_curve": curve, "completions_table": COMPLETIONS,
+    metrics = {**training.train_metrics(trainer), **moe.metrics(),
+               "reward_curve": curve, "completions_table": COMPLETIONS,
                "prompts": len(rows)}
     if curve:
         log.info("grpo: mean reward by logging step: %s",

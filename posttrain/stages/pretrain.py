@@ -23,6 +23,7 @@ def main(cfg, run: StageRun) -> dict:
     from posttrain.data.tiny_world import plain_text
     from posttrain.data.startup import startup_check, tiny_jobs
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     if cfg.model.source != "tiny":
@@ -45,7 +46,9 @@ def main(cfg, run: StageRun) -> dict:
                           tokenizer, args.max_length, None, cfg.get("eval"), cfg.data.seed)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                         callbacks=[moe])
     resume = training.last_checkpoint(run)
     if resume:
         log.info("pretrain: resuming from %s", resume)
@@ -53,7 +56,7 @@ def main(cfg, run: StageRun) -> dict:
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save + manifest ---------------------------------------------------------------------------------------
-    metrics = {**training.train_metrics(trainer), "parameters": n_params, "rows": len(texts)}
+    metrics = {**training.train_metrics(trainer), **moe.metrics(), "parameters": n_params, "rows": len(texts)}
     record = {"id": "tiny_world/plain_text", "card": "data_cards/tiny_world.md", "rows": len(texts),
               "content_sha256": sha256_json(texts), "check": check}
     return training.finish(run, trainer.model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,

@@ -49,6 +49,7 @@ def main(cfg, run: StageRun) -> dict:
     from posttrain.data.preferences import load_pairs
     from posttrain.data.startup import pair_jobs, startup_check
     from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
+    from posttrain.moe import MoeRouterCallback
     from rewards.reward_model import RewardModelScorer
 
     # --- config ------------------------------------------------------------------------------------------------
@@ -87,8 +88,11 @@ def main(cfg, run: StageRun) -> dict:
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     batch = args.per_device_eval_batch_size or 16
     before = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
+    # MoE models: expert shares per logging step (the sequence-classification loss has no load-balancing
+    # term: transformers adds it in the causal-LM classes only)
+    moe = MoeRouterCallback()
     trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            peft_config=peft_config)
+                            peft_config=peft_config, callbacks=[moe])
     resume = training.last_checkpoint(run)
     if resume:
         log.info("reward_model: resuming from %s", resume)
@@ -102,7 +106,7 @@ def main(cfg, run: StageRun) -> dict:
     held = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
     log.info("reward_model: held-out pairwise accuracy %.3f on %d pairs %s", held["pairwise_accuracy"],
              held["held_out_pairs"], held["pairwise_accuracy_by_family"])
-    metrics = {**training.train_metrics(trainer), **held,
+    metrics = {**training.train_metrics(trainer), **moe.metrics(), **held,
                "pairwise_accuracy_before_training": before["pairwise_accuracy"]}
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location),

@@ -62,6 +62,7 @@ def main(cfg, run: StageRun) -> dict:
 
     from posttrain.data.startup import sft_jobs, startup_check
     from posttrain.models.loading import load_model, load_tokenizer, model_location
+    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
@@ -100,8 +101,10 @@ def main(cfg, run: StageRun) -> dict:
     dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
+    moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+        callbacks=[moe],
     )
     resume = training.last_checkpoint(run)
     if resume:
@@ -123,6 +126,7 @@ def main(cfg, run: StageRun) -> dict:
         model = model.merge_and_unload()
     metrics = {
         **training.train_metrics(trainer),
+        **moe.metrics(),
         "rows": len(ids),
         "rows_dropped_by_max_length": dropped,
         "tokens": n_tokens,
