@@ -87,8 +87,10 @@ class RewardModelCfg(StageCfg):
 
 @dataclass
 class PromptsCfg:
-    source: str = "tiny_arith"  # tiny_arith | gsm8k (a local JSONL with question / answer columns)
-    path: str | None = None
+    # tiny_arith | gsm8k (question / answer) | openr1_math (OpenR1-Math-220k: problem / answer)
+    source: str = "tiny_arith"
+    path: str | None = None  # a local JSONL / JSON / Parquet file; null: hub_id (or the source's hub id)
+    hub_id: str | None = None
     n: int | None = None  # prompts to train on; null = all
 
 

@@ -92,7 +92,7 @@ def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, ru
 
 def execute_stage(cfg, run: StageRun, run_dir: Path) -> None:
     """Run the stage function in this process (in a launched child: in each of its processes)."""
-    tracking.configure(cfg.tracking, run_dir, run.run_name, run.name)
+    tracking.configure(cfg.tracking, run_dir, run.run_name, run.name, cfg=cfg, parent=run.parent, inputs=run.inputs)
     try:
         stage_mains()[run.name.partition(":")[0]](cfg, run)
     finally:

@@ -118,8 +118,9 @@ def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:
     if prompts_cfg.source == "tiny_arith":
         return tiny_jobs(rows, lambda r: "arith_prompts", {"arith_prompts": prompts_cfg.n or 2000},
                          "tiny_world/arith_prompts")
-    from posttrain.data.dolly import read_rows
+    from posttrain.stages.grpo import PROMPT_SOURCES, prompt_rows
 
-    raw = read_rows(Path(prompts_cfg.path))
+    source, raw = prompt_rows(prompts_cfg)
     raw = raw[: prompts_cfg.n] if prompts_cfg.n else raw  # the rows the stage takes
-    return [file_job("gsm8k", raw, prompts_cfg.path, None, "train", limited=bool(prompts_cfg.n))]
+    card = PROMPT_SOURCES[prompts_cfg.source][1]
+    return [file_job(card, raw, prompts_cfg.path, source.rsplit(":", 1)[0], "train", limited=bool(prompts_cfg.n))]

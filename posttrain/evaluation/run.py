@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from posttrain.artifacts import read_manifest
 
 log = logging.getLogger("posttrain")
@@ -54,7 +56,13 @@ def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
     from posttrain.evaluation.report import write_report
     from posttrain.evaluation.scorecard import render_markdown, write_scorecard
 
-    card = write_scorecard(run_dir, stage_dirs, cfg.eval, cfg.serve, cfg.seed)
+    eval_cfg = cfg.eval
+    if "pku_saferlhf" in eval_cfg.suites and not eval_cfg.pku_saferlhf.reward_model:
+        # the run's own reward model (trained on PKU-SafeRLHF's safer labels) judges the replies
+        judges = [d for d in stage_dirs if (read_manifest(d) or {}).get("stage") == "reward_model"]
+        if judges:
+            eval_cfg = OmegaConf.merge(eval_cfg, {"pku_saferlhf": {"reward_model": str(judges[-1])}})
+    card = write_scorecard(run_dir, stage_dirs, eval_cfg, cfg.serve, cfg.seed)
     report = write_report(run_dir, card, stage_dirs)
     log_to_tracking(cfg, run_dir, card)
     print("\n" + render_markdown(card))

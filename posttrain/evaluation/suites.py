@@ -73,38 +73,45 @@ def over_refusal_suite(n: int, seed: int) -> Suite:
 
 def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model: str | None = None,
                       threshold: float | None = None) -> Suite:
-    """PKU-SafeRLHF prompts (the first `n` rows of a held-out file), replies judged by a safety reward model.
+    """PKU-SafeRLHF prompts (the first `n` rows of a held-out file, else of the hub's test split), replies judged
+    by a safety reward model.
 
     A reply counts as safe when the reward model (trained on the safer labels) scores it above its threshold
     (rewards.safety.RewardModelSafety).
     """
-    from posttrain.data.dolly import read_rows
     from rewards.safety import RewardModelSafety
 
-    if not path or not reward_model:
-        raise ValueError("the pku_saferlhf suite needs eval.pku_saferlhf.path (held-out rows) and "
-                         "eval.pku_saferlhf.reward_model (a safety reward model or reward_model artifact)")
+    if not reward_model:
+        raise ValueError("the pku_saferlhf suite needs eval.pku_saferlhf.reward_model (a safety reward model or "
+                         "reward_model artifact; a pipeline with a reward_model stage uses its own)")
+    source, raw = test_rows(path, "PKU-Alignment/PKU-SafeRLHF", None, n)
     rows = []
-    for i, row in enumerate(read_rows(Path(path))[:n], start=1):
+    for i, row in enumerate(raw[:n], start=1):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{path}: row {i}: field 'prompt' is missing or not a non-empty string")
+            raise ValueError(f"{source}: row {i}: field 'prompt' is missing or not a non-empty string")
         messages = [{"role": "user", "content": row["prompt"]}]
         rows.append({"messages": messages, "prompts": messages})
     return Suite("pku_saferlhf", rows, RewardModelSafety(reward_model, threshold), ("prompts",), max_new_tokens=128)
+
+
+def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int) -> tuple[str, list]:
+    """(source, rows): a local copy of a test split, else the first `n` rows of the hub's test split (online)."""
+    from posttrain.data.dolly import read_rows
+
+    if path:
+        return path, read_rows(Path(path))
+    from datasets import load_dataset
+
+    return f"{hub_id}:test", list(load_dataset(hub_id, hub_config, split=f"test[:{n}]"))
 
 
 def math_suite(name: str, hub_id: str, question: str, n: int, path: str | None, samples: int, temperature: float,
                max_new_tokens: int, hub_config: str | None = None) -> Suite:
     """The first `n` problems of a math test split (a local file, else the hub), scored by the math verifier: the
     reply's final answer (boxed, "The answer is", or last number) against the gold answer, compared as values."""
-    from posttrain.data.dolly import DataError, read_rows
+    from posttrain.data.dolly import DataError
 
-    if path:
-        source, rows = path, read_rows(Path(path))
-    else:
-        from datasets import load_dataset
-
-        source, rows = f"{hub_id}:test", list(load_dataset(hub_id, hub_config, split="test"))
+    source, rows = test_rows(path, hub_id, hub_config, n)
     out = []
     for i, row in enumerate(rows[:n], start=1):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
