@@ -60,9 +60,10 @@ def test_safety_suites_hold_the_right_requests():
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in safety.rows)
 
 
-def test_pku_suite_needs_its_rows_and_judge():
-    with pytest.raises(ValueError, match="eval.pku_saferlhf.path"):
-        build_suite("pku_saferlhf", 5, 0)
+def test_pku_suite_needs_its_judge():
+    """Rows come from eval.pku_saferlhf.path or the hub's test split; a judge is always needed."""
+    with pytest.raises(ValueError, match="eval.pku_saferlhf.reward_model"):
+        build_suite("pku_saferlhf", 5, 0, path="rows.jsonl")
 
 
 # --- the likelihood-shift report -------------------------------------------------------------------------------
