@@ -189,11 +189,16 @@ def last_checkpoint(run: StageRun) -> str | None:
     return None
 
 
-def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg):
-    """A TRL config from the recipe's trainer block (TRL's own field names) plus where to write and log."""
+def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: int):
+    """A TRL config from the recipe's trainer block (TRL's own field names) plus where to write and log.
+
+    `seed` is the run's seed (the root `seed` key): one override reseeds every stage's trainer (initialisation,
+    data order, sampling); a trainer block that names its own `seed` keeps it.
+    """
     import trl
 
     kwargs = OmegaConf.to_container(trainer_block, resolve=True) if not isinstance(trainer_block, dict) else dict(trainer_block)
+    kwargs.setdefault("seed", seed)
     kwargs.setdefault("output_dir", str(run.checkpoints))
     kwargs["report_to"] = tracking.report_to(tracking_cfg)
     kwargs.setdefault("run_name", f"{run.run_name}/{run.name}")

@@ -32,7 +32,7 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
-    args = training.trl_args("DPOConfig", cfg.dpo.trainer, run, cfg.tracking)
+    args = training.trl_args("DPOConfig", cfg.dpo.trainer, run, cfg.tracking, cfg.seed)
 
     # --- models: the policy starts from the parent, which is also the frozen reference ---------------------------
     location = model_location(cfg.model, run.parent)

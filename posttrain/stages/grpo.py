@@ -181,7 +181,7 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
-    args = training.trl_args("GRPOConfig", cfg.grpo.trainer, run, cfg.tracking)
+    args = training.trl_args("GRPOConfig", cfg.grpo.trainer, run, cfg.tracking, cfg.seed)
     if cfg.grpo.chat_template_kwargs:
         args.chat_template_kwargs = dict(cfg.grpo.chat_template_kwargs)
     args.log_completions = args.log_completions or "wandb" in (args.report_to or [])

@@ -29,7 +29,7 @@ def main(cfg, run: StageRun) -> dict:
     if cfg.model.source != "tiny":
         raise ValueError(f"the pretrain stage builds the tiny model; model.source is '{cfg.model.source}'")
     training.begin(run)
-    args = training.trl_args("SFTConfig", cfg.pretrain.trainer, run, cfg.tracking)
+    args = training.trl_args("SFTConfig", cfg.pretrain.trainer, run, cfg.tracking, cfg.seed)
 
     # --- data: plain text, no chat template ----------------------------------------------------------------------
     texts = plain_text(cfg.data.pretrain_rows, cfg.data.seed)

@@ -54,7 +54,7 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
-    args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking)
+    args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking, cfg.seed)
 
     # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
     location = model_location(cfg.model, run.parent)

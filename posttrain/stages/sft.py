@@ -66,7 +66,7 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
-    args = training.trl_args("SFTConfig", cfg.sft.trainer, run, cfg.tracking)
+    args = training.trl_args("SFTConfig", cfg.sft.trainer, run, cfg.tracking, cfg.seed)
     template_kwargs = dict(cfg.sft.chat_template_kwargs)
 
     # --- model -------------------------------------------------------------------------------------------------
