@@ -8,7 +8,8 @@
   error of ~0.5 % of |y| (bf16 activations give ~0.2 %; int4 weight rounding itself ~10 %).
 - "aten": torch's packed kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what torchao uses). They
   are fast only with bf16 activations (fp32 ones are 5-30x slower on AVX2), so this path computes in bf16 and casts
-  the result back to act_dtype.
+  the result back to act_dtype. Weights are zero-padded to `aten_padded_shape` (the AVX-512 int8 kernel crashes or
+  returns garbage for K % 16 != 0; the int4 packer needs N % 16 == 0).
 - "chunked": dequantize blocks of output rows (at most ~4 MiB of act_dtype at a time), F.linear each block: the
   fallback for fp8 and for int4 group sizes aten rejects. `torch._scaled_mm` runs on CPU but needs *both* operands
   in fp8, i.e. it would quantize the activations too, so it is not a weight-only fp8 matmul and is not used.
@@ -34,8 +35,26 @@ from posttrain.quant.formats import QuantizedWeight
 
 BACKENDS = ("auto", "own", "own_q8", "aten", "chunked", "bnb")
 ATEN_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
-ATEN_INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: pad rows with zeros
+ATEN_PAD = 16  # both dims of every weight handed to the aten packed kernels: see aten_padded_shape
 CHUNK_BYTES = 4 << 20  # bound on the dequantized block the "chunked" path holds at once
+
+
+def aten_padded_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """(N, K) rounded up to multiples of ATEN_PAD: the only weight shapes given to torch's packed CPU kernels.
+
+    Both the int8 and the int4 aten paths pad their weights (zero rows / zero columns) to this shape, pad the
+    activations' K with zeros and slice the output back to N. Measured with torch 2.13 (bf16 activations, M = 1, 2,
+    3, 4, 16, 17 rows, N = 1, 5, 16, 17, 32, 33, 37, 48, 72, 1000, 4099):
+    - `_weight_int8pack_mm` on an AMD EPYC Zen 4 (AVX-512 with BF16/VNNI, no AMX; aten CPU capability AVX512)
+      dies with SIGSEGV or returns garbage (NaN, inf, 1e33) whenever K % 16 != 0 (K = 8, 24, 40, 56, 65, 72, 88,
+      100, 136, 4104), for every N, 16 included: typically M = 1 gives garbage, M >= 2 a segfault (N = 33 and 37
+      with K = 72 segfault from M = 2). K a multiple of 16 (16 ... 256, 4112) is correct for every N and M. The
+      AVX2 and scalar builds of the same op (ATEN_CPU_CAPABILITY=avx2 / default) are correct on K = 72.
+    - `_convert_weight_to_int4pack_for_cpu` raises for N % 16 != 0 ("expect N to be dividable by 16"); with N
+      padded, `_weight_int4pack_mm_for_cpu` is correct for every K = multiple of the group size (32 ... 256).
+    N is padded as well for int8 (measured harmless, costs at most 15 zero rows) so one rule covers both kernels.
+    """
+    return out_features + (-out_features % ATEN_PAD), in_features + (-in_features % ATEN_PAD)
 
 
 def _own_kernel_fits(qw: QuantizedWeight, backend: str) -> bool:
@@ -82,9 +101,13 @@ def _aten_int4_pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
     The aten CPU kernel takes unsigned codes u in [0, 15] and dequantizes w = (u - 8) * scale + zero (checked in the
     tests). Canonical w = (q - z) * s, so: symmetric u = q + 8, zero = 0; asymmetric u = q, zero = (8 - z) * s.
-    N is padded with zero rows to a multiple of 16 (the kernel's N tile); forward slices them off.
+    N is padded with zero rows to aten_padded_shape; forward slices them off. K is a multiple of the group size
+    (>= 32), so it never needs padding.
     """
     n_out, k_in = qw.shape
+    n_padded, k_padded = aten_padded_shape(n_out, k_in)
+    if k_padded != k_in:
+        raise ValueError(f"aten int4 needs in_features a multiple of {ATEN_PAD}, got {k_in}")
     scale = qw.scale.float()  # [N, G]
     if qw.symmetric:
         codes = qw.qweight.to(torch.int32) + 8
@@ -92,7 +115,7 @@ def _aten_int4_pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         codes = qw.qweight.to(torch.int32)
         zero = (8.0 - qw.zero.float()) * scale
-    n_pad = -n_out % ATEN_INT4_N_MULTIPLE
+    n_pad = n_padded - n_out
     codes = F.pad(codes, (0, 0, 0, n_pad), value=8)  # u = 8 with scale 0 decodes to 0
     scale, zero = F.pad(scale, (0, 0, 0, n_pad)), F.pad(zero, (0, 0, 0, n_pad))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
@@ -124,8 +147,10 @@ def _backend_tensors(qw: QuantizedWeight, backend: str) -> dict[str, torch.Tenso
         pack = cpu_kernels.pack_int8 if qw.fmt == "int8" else cpu_kernels.pack_fp8
         codes, scale = pack(qw.qweight, qw.scale)
         return {"codes": codes, "scale": scale}
-    if backend == "aten" and qw.fmt == "int8":
-        return {"qweight": qw.qweight.contiguous(), "scale": qw.scale.to(torch.bfloat16)}
+    if backend == "aten" and qw.fmt == "int8":  # zero rows and columns up to aten_padded_shape
+        (n_out, k_in), (n_padded, k_padded) = qw.shape, aten_padded_shape(*qw.shape)
+        qweight = F.pad(qw.qweight, (0, k_padded - k_in, 0, n_padded - n_out))
+        return {"qweight": qweight.contiguous(), "scale": F.pad(qw.scale.to(torch.bfloat16), (0, n_padded - n_out))}
     if backend == "aten":
         packed, scales_and_zeros = _aten_int4_pack(qw)
         return {"packed": packed, "scales_and_zeros": scales_and_zeros}
@@ -143,6 +168,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.fmt, self.backend, self.act_dtype, self.group_size = fmt, backend, act_dtype, group_size
         self.out_features, self.in_features = shape
+        self.aten_in_features = aten_padded_shape(*shape)[1]  # K the aten kernels see (activations zero-padded)
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.register_buffer("bias", bias)
@@ -193,11 +219,14 @@ class QuantLinear(nn.Module):
 
     def _forward_aten(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)  # the packed kernels are slow with fp32 activations
+        if self.aten_in_features != self.in_features:  # zero columns matching the weight's (aten_padded_shape)
+            xb = F.pad(xb, (0, self.aten_in_features - self.in_features))
         if self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
-            y = y[:, : self.out_features]  # drop the zero rows added to reach N % 16 == 0
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]  # drop the zero rows of aten_padded_shape
         y = y.to(self.act_dtype)
         return y if self.bias is None else y + self.bias
 

@@ -7,6 +7,7 @@ from torch import nn
 from posttrain.quant import cpu_kernels
 from posttrain.quant.formats import QuantizedWeight
 from posttrain.quant.linear import BF16Linear, DenseLinear, QuantLinear, swap_dense_linears, swap_linears
+from tests.native import isolated  # a native crash fails the one test (with the CPU named), not the run
 
 N_ODD, K = 37, 256
 FP32_REL = 1e-5  # fp32 activations: only accumulation-order rounding
@@ -156,6 +157,7 @@ def test_own_int4_propagates_non_finite_activations(backend, own_kernels):
     assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
 
 
+@isolated
 def test_aten_int4_kernel_dequantizes_as_u_minus_8_times_scale_plus_zero():
     """Pins the torch convention _aten_int4_pack relies on: w = (u - 8) * scale + zero, scales_and_zeros [G, N, 2]."""
     g = gen(1)
@@ -185,6 +187,7 @@ def test_fp8_kernel_decodes_every_finite_code(own_kernels):
 
 
 @pytest.mark.parametrize("fmt,k,group_size", [("int8", 72, None), ("fp8", 72, None), ("int4", 96, 24)])
+@isolated
 def test_auto_backend_handles_shapes_the_own_kernels_reject(fmt, k, group_size):
     g = gen(3)
     if fmt == "int4":  # group 24 is neither a power of two (own) nor an aten group size
@@ -245,6 +248,7 @@ def test_chunked_path_bounds_the_dequantized_block(monkeypatch):
     assert_matches(y, x.double() @ reference_weight(qw).T, FP32_REL)
 
 
+@isolated
 def test_nf4_through_bitsandbytes_matches_decoded_codes():
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     g = gen(6)
