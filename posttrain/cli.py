@@ -20,13 +20,26 @@ import os
 import sys
 
 USAGE = __doc__
+# Loggers whose INFO / WARNING lines say nothing a user can act on: bitsandbytes warns at import, on CPUs with
+# AVX512-BF16, that the optional `kernels` package (a faster 4-bit CPU kernel) is missing.
+QUIET_LOGGERS = {"bitsandbytes.backends.cpu.ops": logging.ERROR}
+
+
+def setup_logging() -> None:
+    """posttrain's INFO lines on stderr; the HTTP stack's per-request lines (the eval client's httpx, the in-process
+    server's uvicorn) and the QUIET_LOGGERS above held back."""
+    from posttrain.evaluation.client import quiet_http_logs
+
+    logging.basicConfig(level=logging.INFO, format="[posttrain %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    quiet_http_logs()
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="[posttrain %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the eval client's one line per request
+    setup_logging()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2

@@ -4,15 +4,63 @@ The same code talks to `posttrain serve` and to `vllm serve`. Requests go out co
 them continuously); each suite prompt is one chat request, and a suite that samples asks for `n` choices.
 `latency_probe` times streamed requests one at a time, from the client's side: time to first token and decode
 tokens per second as a user of the endpoint sees them.
+
+Progress is reported per checkpoint, not per request: a `CheckpointProgress` counts every request of every suite
+and of the latency probe (one bar on a terminal, one summary line in the log), and `quiet_http_logs` keeps the HTTP
+stack's one-line-per-request INFO records (httpx's `HTTP Request: POST ...`, uvicorn's access log) out of the output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
+import sys
 import time
 
 from tqdm.auto import tqdm
+
+log = logging.getLogger("posttrain")
+# the openai client sends through httpx2 (older releases: httpx), each over httpcore2 / httpcore; uvicorn serves
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "uvicorn", "uvicorn.error", "uvicorn.access",
+                "uvicorn.asgi")
+
+
+def quiet_http_logs(level: int = logging.WARNING) -> None:
+    """Raise the HTTP client and server loggers to `level`: at INFO they log one line per request."""
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+class CheckpointProgress:
+    """Requests done / total for one checkpoint, across its suites and its latency probe.
+
+    A tqdm bar on `stream` (stderr) when it is a terminal, none otherwise; `close` logs one summary line either way,
+    so a log file gets one line per checkpoint rather than one per request.
+    """
+
+    def __init__(self, label: str, total: int, stream=None):
+        stream = sys.stderr if stream is None else stream
+        self.label, self.total, self.done = label, total, 0
+        self.started = time.perf_counter()
+        interactive = bool(getattr(stream, "isatty", lambda: False)())
+        self.bar = tqdm(total=total, desc=f"eval {label}", unit="req", file=stream, leave=False,
+                        dynamic_ncols=True, disable=not interactive)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+
+    def stage(self, name: str) -> None:
+        """Name the part being run (a suite, the latency probe) beside the bar."""
+        self.bar.set_postfix_str(name, refresh=False)
+
+    def close(self, detail: str = "") -> str:
+        self.bar.close()
+        line = (f"eval {self.label}: {self.done}/{self.total} requests in {time.perf_counter() - self.started:.1f} s"
+                + (f"; {detail}" if detail else ""))
+        log.info(line)
+        return line
 
 
 def reply_text(message) -> str:
@@ -26,9 +74,10 @@ def reply_text(message) -> str:
 
 
 async def _chat_all(client, model: str, conversations, max_tokens: int, concurrency: int, samples: int,
-                    temperature: float, seed: int, desc: str):
+                    temperature: float, seed: int, desc: str, progress=None):
     gate = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(conversations), desc=desc, unit="prompt")
+    bar = progress if progress is not None else tqdm(total=len(conversations), desc=desc, unit="prompt",
+                                                     leave=False, disable=None)
 
     async def one(index: int, messages):
         async with gate:
@@ -43,27 +92,30 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
     try:
         return await asyncio.gather(*(one(i, m) for i, m in enumerate(conversations)))
     finally:
-        bar.close()
+        if progress is None:
+            bar.close()
 
 
 def chat_replies(base_url: str, api_key: str, model: str, conversations: list[list[dict]], max_tokens: int,
                  concurrency: int = 64, samples: int = 0, temperature: float = 1.0, seed: int = 0,
-                 desc: str = "eval", timeout: float = 600.0) -> list[str] | list[list[str]]:
-    """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`."""
+                 desc: str = "eval", timeout: float = 600.0, progress: CheckpointProgress | None = None
+                 ) -> list[str] | list[list[str]]:
+    """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`. Each reply
+    advances `progress` (else a bar of this call's own, shown on a terminal only)."""
     from openai import AsyncOpenAI
 
     async def run():
         async with AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0) as client:
             return await _chat_all(client, model, conversations, max_tokens, concurrency, samples, temperature,
-                                   seed, desc)
+                                   seed, desc, progress)
 
     return asyncio.run(run())
 
 
 def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict], requests: int = 8,
-                  max_tokens: int = 32, timeout: float = 120.0) -> dict:
+                  max_tokens: int = 32, timeout: float = 120.0, progress: CheckpointProgress | None = None) -> dict:
     """Median time to first token (ms) and decode tokens/s over `requests` streamed greedy requests sent one after
-    another, each running to `max_tokens` (ignore_eos), timed on the client."""
+    another, each running to `max_tokens` (ignore_eos), timed on the client; each request advances `progress`."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
@@ -91,6 +143,8 @@ def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict],
         if first is None:  # only tokens that decode to no text (special tokens): the reply's first text is its end
             first = last
         ttfts.append(first - start)
+        if progress is not None:
+            progress.update(1)
         if tokens > 1 and last is not None and last > first:
             rates.append((tokens - 1) / (last - first))
     client.close()

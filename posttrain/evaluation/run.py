@@ -52,10 +52,21 @@ def select(stage_dirs: list[Path], wanted: list[str]) -> list[Path]:
     return [d for d in stage_dirs if d in chosen]
 
 
+def quiet_eval_output() -> None:
+    """What the eval prints between its start and the scorecard: a line per checkpoint served and one per checkpoint
+    scored (with a progress bar on a terminal). The HTTP stack's per-request lines and matplotlib's note that it
+    built its font cache (the report's first figure on a new machine) stay out."""
+    from posttrain.evaluation.client import quiet_http_logs
+
+    quiet_http_logs()
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+
+
 def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
     from posttrain.evaluation.report import write_report
     from posttrain.evaluation.scorecard import render_markdown, write_scorecard
 
+    quiet_eval_output()
     eval_cfg = cfg.eval
     if "pku_saferlhf" in eval_cfg.suites and not eval_cfg.pku_saferlhf.reward_model:
         # the run's own reward model (trained on PKU-SafeRLHF's safer labels) judges the replies

@@ -31,11 +31,27 @@ def mean(scores: list[float | None]) -> tuple[float, int]:
     return sum(applicable) / len(applicable), len(applicable)
 
 
+def requests_of(suites, eval_cfg) -> int:
+    """Requests one checkpoint's eval sends: a greedy reply per prompt, the sampled replies of a sampling suite
+    (one request with `n` choices per prompt) and the latency probe's."""
+    return sum(len(s.rows) * (2 if s.samples else 1) for s in suites) + (eval_cfg.latency.requests or 0)
+
+
+def score_summary(row: dict, suites) -> str:
+    """The checkpoint's scores in one line: `echo 0.950, arith 0.400 (pass@1 0.312), ...`."""
+    parts = []
+    for suite in suites:
+        sampled = row.get(f"{suite.name}_pass@1")
+        parts.append(f"{suite.name} {row[suite.name]:.3f}" + ("" if sampled is None else f" (pass@1 {sampled:.3f})"))
+    return ", ".join(parts)
+
+
 def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0) -> dict:
-    """Serve one checkpoint, run every suite through the OpenAI API, and time it through the same endpoint."""
+    """Serve one checkpoint, run every suite through the OpenAI API, and time it through the same endpoint.
+    Progress: one bar (on a terminal) and one summary line for the checkpoint, not a line per request."""
     import secrets
 
-    from posttrain.evaluation.client import chat_replies, latency_probe
+    from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
     from posttrain.serve.server import ServeOptions, background_server
 
     manifest = verify_artifact(stage_dir)
@@ -52,29 +68,37 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
                         served_model_name=label)
     with background_server(opts) as server:
         log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, serve_cfg.backend)
-        ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency)
-        for suite in suites:
-            prompts = [r["messages"] for r in suite.rows]
-            max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
-            completions = chat_replies(conversations=prompts, max_tokens=max_new, desc=f"{label}/{suite.name}",
-                                       **ask)
-            scores = suite.score(completions)
-            row[suite.name], row[f"{suite.name}_n"] = mean(scores)
-            row[f"{suite.name}_examples"] = [
-                {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
-                for r, c, s in list(zip(suite.rows, completions, scores))[:3]
-            ]
-            if suite.samples:
-                sampled = chat_replies(conversations=prompts, max_tokens=max_new, samples=suite.samples,
-                                       temperature=suite.temperature, seed=seed,
-                                       desc=f"{label}/{suite.name} sampled", **ask)
-                row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
-                row[f"{suite.name}_samples"] = suite.samples
-                row[f"{suite.name}_temperature"] = suite.temperature
-        if eval_cfg.latency.requests:
-            probe = suites[0].rows[0]["messages"] if suites else [{"role": "user", "content": "Hello"}]
-            row["latency"] = latency_probe(server.base_url, key, server.name, probe, eval_cfg.latency.requests,
-                                           eval_cfg.latency.max_tokens)
+        progress = CheckpointProgress(label, requests_of(suites, eval_cfg))
+        ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency,
+                   progress=progress)
+        try:
+            for suite in suites:
+                progress.stage(suite.name)
+                prompts = [r["messages"] for r in suite.rows]
+                max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
+                completions = chat_replies(conversations=prompts, max_tokens=max_new, desc=f"{label}/{suite.name}",
+                                           **ask)
+                scores = suite.score(completions)
+                row[suite.name], row[f"{suite.name}_n"] = mean(scores)
+                row[f"{suite.name}_examples"] = [
+                    {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
+                    for r, c, s in list(zip(suite.rows, completions, scores))[:3]
+                ]
+                if suite.samples:
+                    progress.stage(f"{suite.name} sampled")
+                    sampled = chat_replies(conversations=prompts, max_tokens=max_new, samples=suite.samples,
+                                           temperature=suite.temperature, seed=seed,
+                                           desc=f"{label}/{suite.name} sampled", **ask)
+                    row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
+                    row[f"{suite.name}_samples"] = suite.samples
+                    row[f"{suite.name}_temperature"] = suite.temperature
+            if eval_cfg.latency.requests:
+                progress.stage("latency")
+                probe = suites[0].rows[0]["messages"] if suites else [{"role": "user", "content": "Hello"}]
+                row["latency"] = latency_probe(server.base_url, key, server.name, probe, eval_cfg.latency.requests,
+                                               eval_cfg.latency.max_tokens, progress=progress)
+        finally:
+            progress.close(score_summary(row, [s for s in suites if s.name in row]))
     return row
 
 

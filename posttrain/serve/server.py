@@ -160,6 +160,21 @@ def vllm_command(opts: ServeOptions, port: int) -> list[str]:
     return cmd
 
 
+@contextlib.contextmanager
+def no_load_bars():
+    """transformers' `Loading weights` bar off while the block runs: the caller (the evaluator) reports progress
+    per checkpoint itself."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 class BackgroundServer:
     """A running server and its base URL; `stop()` shuts it down."""
 
@@ -188,14 +203,18 @@ def background_server(opts: ServeOptions, startup_timeout: float = 600.0):
 
     import uvicorn
 
+    from posttrain.evaluation.client import quiet_http_logs
     from posttrain.serve.api import create_app
 
     _, default_name = resolve_model(opts.model)
     name = opts.served_model_name or default_name
-    app = create_app(build_engine(opts), name, root=opts.model, api_key=opts.api_key)
+    with no_load_bars():
+        app = create_app(build_engine(opts), name, root=opts.model, api_key=opts.api_key)
     sock = free_socket(opts.host, opts.port)
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    # in the caller's process: its logging setup stays (log_config=None), no access log, uvicorn's own at WARNING
+    quiet_http_logs()
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None, access_log=False))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="posttrain-http", daemon=True)
     thread.start()
 

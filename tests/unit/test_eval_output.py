@@ -1,0 +1,144 @@
+"""What the eval prints: one progress bar (on a terminal) and one summary line per checkpoint, no line per request.
+
+The requests go through the real stack (the `openai` client, its HTTP library, uvicorn in `background_server`)
+to a stub OpenAI-compatible app standing in for the engine, so the test needs no model and runs in seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from posttrain.evaluation.client import HTTP_LOGGERS, CheckpointProgress
+
+
+def stub_app(received: list[str]):
+    """Chat completions as a server answers them: `n` choices, or an SSE stream ending with a usage chunk."""
+    app = FastAPI()
+    app.state.served = SimpleNamespace(scheduler=SimpleNamespace(close=lambda: None))
+    head = {"id": "c", "created": 0, "model": "stub"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        received.append("stream" if body.get("stream") else "chat")
+        if not body.get("stream"):
+            choices = [{"index": i, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                       for i in range(body.get("n") or 1)]
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "o"}, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {"content": "k"}, "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}]
+        lines = [f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', **c})}\n\n" for c in chunks]
+        return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def fresh_loggers():
+    """The HTTP loggers as a new process has them (NOTSET), restored afterwards."""
+    from posttrain.cli import QUIET_LOGGERS
+
+    names = HTTP_LOGGERS + ("matplotlib",) + tuple(QUIET_LOGGERS)
+    saved = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.NOTSET)
+    yield
+    for n, level in saved.items():
+        logging.getLogger(n).setLevel(level)
+
+
+@pytest.fixture
+def stub_server(monkeypatch):
+    """`background_server` serving the stub app instead of an engine; returns the requests it received."""
+    from posttrain.serve import server
+
+    received: list[str] = []
+    api = types.ModuleType("posttrain.serve.api")
+    api.create_app = lambda engine, name, root, api_key: stub_app(received)
+    monkeypatch.setitem(sys.modules, "posttrain.serve.api", api)
+    monkeypatch.setattr(server, "resolve_model", lambda location: (location, "stub"))
+    monkeypatch.setattr(server, "build_engine", lambda opts: None)
+    return received
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def stub_suites():
+    from posttrain.evaluation.suites import Suite
+
+    def exact(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    rows = [{"messages": [{"role": "user", "content": f"say ok {i}"}], "answer": "ok"} for i in range(5)]
+    return [Suite("echo", rows, exact, ("answer",)), Suite("arith", rows[:4], exact, ("answer",), samples=3)]
+
+
+def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers, stub_server, monkeypatch, caplog,
+                                                                   capsys, tmp_path):
+    from posttrain.evaluation import scorecard
+
+    received = stub_server
+    monkeypatch.setattr(scorecard, "verify_artifact", lambda d: {"stage": d.name})
+    monkeypatch.setattr(scorecard, "weight_files", lambda d: [])
+    suites = stub_suites()
+    eval_cfg = SimpleNamespace(latency=SimpleNamespace(requests=2, max_tokens=2), concurrency=4, max_new_tokens=None)
+    serve_cfg = SimpleNamespace(api_key=None, dtype="float32", max_batch=4, max_len=64, backend="posttrain")
+    total = scorecard.requests_of(suites, eval_cfg)
+    assert total == 5 + 2 * 4 + 2
+    caplog.set_level(logging.DEBUG - 5)  # every record any logger lets through, down to uvicorn's TRACE
+    for stage in ("pretrain", "dpo"):
+        row = scorecard.score_checkpoint(tmp_path / stage, suites, eval_cfg, serve_cfg)
+        assert (row["echo"], row["arith"], row["arith_pass@1"], row["latency"]["requests"]) == (1.0, 1.0, 1.0, 2)
+    assert len(received) == 2 * total  # every request of both checkpoints went through the HTTP stack
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar, no line per request
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert [m.split(":")[0] for m in messages] == ["base", "eval base", "dpo", "eval dpo"], messages[:6]
+    assert messages[1].startswith(f"eval base: {total}/{total} requests in ")
+    assert messages[1].endswith("s; echo 1.000, arith 1.000 (pass@1 1.000)")
+    for name in HTTP_LOGGERS:
+        assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING, name
+
+
+def test_progress_on_a_terminal_is_one_bar_redrawn_in_place(caplog):
+    caplog.set_level(logging.INFO, logger="posttrain")
+    terminal = Terminal()
+    progress = CheckpointProgress("sft", 40, stream=terminal)
+    for stage, requests in (("echo", 10), ("arith", 20), ("latency", 10)):
+        progress.stage(stage)
+        for _ in range(requests):
+            progress.update(1)
+    line = progress.close()
+    assert "eval sft" in terminal.getvalue() and "\n" not in terminal.getvalue()  # one line, cleared at the end
+    assert line.startswith("eval sft: 40/40 requests in ")
+    assert [r.getMessage() for r in caplog.records if r.name == "posttrain"] == [line]
+
+
+def test_eval_logging_setup_holds_back_http_and_library_notes(fresh_loggers, monkeypatch):
+    from posttrain.cli import QUIET_LOGGERS, setup_logging
+    from posttrain.evaluation.run import quiet_eval_output
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)  # leave the test session's root handlers be
+    setup_logging()
+    for name in HTTP_LOGGERS:
+        assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, name
+    for name, level in QUIET_LOGGERS.items():
+        assert logging.getLogger(name).getEffectiveLevel() == level, name
+    for name in HTTP_LOGGERS + ("matplotlib",):
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    quiet_eval_output()  # what `evaluate` runs first, for callers other than the command line
+    for name in HTTP_LOGGERS + ("matplotlib",):
+        assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, name
