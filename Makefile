@@ -21,7 +21,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo eval load test test-fast bench venv clean
+.PHONY: demo claims eval load test test-fast bench venv clean
 
 venv: $(STAMP)
 
@@ -37,8 +37,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, openai, prometheus_client, matplotlib, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
+# The tiny-world pipeline, then its claims: fails (exit 1) naming the claim when a stage did not buy its effect.
+# SEED reseeds every stage's trainer (the data stay the same): make demo RUN=demo-s1 SEED=1
+SEED ?= 0
 demo: $(STAMP)
-	$(VENV)/bin/posttrain run pipeline=tiny run.name=$(RUN)
+	$(VENV)/bin/posttrain run pipeline=tiny run.name=$(RUN) seed=$(SEED)
+	$(VENV)/bin/posttrain claims run.name=$(RUN)
+
+# The claims check alone, on a finished and evaluated run: make claims RUN=demo
+claims: $(STAMP)
+	$(VENV)/bin/posttrain claims run.name=$(RUN)
 
 # Re-score a finished run through the server (no retraining): make eval RUN=demo; the latest run when RUN=latest.
 eval: $(STAMP)

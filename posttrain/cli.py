@@ -4,6 +4,8 @@
     posttrain stage=sft model=... data=...       run one stage
     posttrain eval [run.name=<run>] [overrides]  serve each checkpoint of a run, score it through the API, write
                                                  scorecard.md/.json and report.html (default: the latest run)
+    posttrain claims [run.name=<run>]            check the tiny world's claims on an evaluated run (exit 1: a
+                                                 claim failed, named with what was measured and needed)
     posttrain serve <artifact|dir|hub id> [port=8000 api_key=... backend=posttrain|vllm ...]
                                                  the OpenAI-compatible server (posttrain serve --help)
     posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids
@@ -70,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.pipeline import run_pipeline, run_single_stage
 
     command, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
-    if command not in (None, "run", "eval"):
+    if command not in (None, "run", "eval", "claims"):
         print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
-    known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError)
+    from posttrain.evaluation.claims import ClaimsError
+
+    known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError, ClaimsError)
     try:
         cfg = compose(overrides)
         if command == "run":
@@ -82,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             from posttrain.evaluation.run import main as eval_main
 
             eval_main(cfg)
+        elif command == "claims":
+            from posttrain.evaluation.claims import main as claims_main
+
+            return claims_main(cfg)
         elif cfg.stage:
             run_single_stage(cfg)
         else:

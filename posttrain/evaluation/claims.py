@@ -11,6 +11,7 @@ name, what was measured and what was needed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,7 +19,8 @@ from typing import Callable
 from posttrain.artifacts import read_manifest
 
 # Claims that are printed but do not fail the check yet ("not yet met"): empty once every claim holds.
-NOT_YET_ENFORCED: frozenset[str] = frozenset()
+NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "grpo.reward_rises", "reward_model.accuracy",
+                                               "dpo.safety", "dpo.safety_gain", "dpo.arith"})
 QUANTIZED = ("dpo-int8", "dpo-int4-gptq")
 SUITES = ("echo", "arith", "safety", "over_refusal")  # each suite's headline (greedy) score
 WINDOW = 5  # GRPO steps averaged at the start and at the end of its reward curve
@@ -58,9 +60,12 @@ class Verdict:
     claim: Claim
     measured: float
     needed: float
+    missing: str | None = None  # why the claim could not be measured (then it does not hold)
 
     @property
     def holds(self) -> bool:
+        if self.missing:
+            return False
         eps = 1e-9  # scores are ratios of counts: 0.9 must meet ">= 0.9" despite float rounding
         return self.measured <= self.needed + eps if self.claim.at_most else self.measured >= self.needed - eps
 
@@ -147,7 +152,13 @@ def read_facts(run_dir: Path) -> RunFacts:
 
 
 def check(facts: RunFacts, claims: list[Claim] | None = None) -> list[Verdict]:
-    return [Verdict(c, c.measured(facts), c.needed(facts)) for c in (claims or CLAIMS)]
+    verdicts = []
+    for claim in claims or CLAIMS:
+        try:
+            verdicts.append(Verdict(claim, claim.measured(facts), claim.needed(facts)))
+        except ClaimsError as err:  # one claim's missing input does not hide the others' verdicts
+            verdicts.append(Verdict(claim, math.nan, math.nan, missing=str(err)))
+    return verdicts
 
 
 def render(verdicts: list[Verdict]) -> str:
@@ -156,6 +167,8 @@ def render(verdicts: list[Verdict]) -> str:
     for v in verdicts:
         sign = "<=" if v.claim.at_most else ">="
         state = "holds" if v.holds else ("FAILS" if v.enforced else "not yet met")
+        if v.missing:
+            state += f" (cannot be measured: {v.missing})"
         lines.append(f"{v.claim.text:<{width}}  {v.measured:8.3f}  {sign}{v.needed:6.3f}  {state}")
     failed = [v for v in verdicts if v.enforced and not v.holds]
     pending = [v for v in verdicts if not v.enforced and not v.holds]
@@ -165,6 +178,15 @@ def render(verdicts: list[Verdict]) -> str:
         lines.append(f"claim failed: {v.claim.name}: {v.claim.text} (measured {v.measured:.3f}, "
                      f"needed {'<=' if v.claim.at_most else '>='} {v.needed:.3f})")
     return "\n".join(lines)
+
+
+def main(cfg) -> int:
+    """`posttrain claims`: the run named by run.name under run.root, else the latest run there."""
+    from posttrain.evaluation.run import latest_run
+
+    run_dir = Path(cfg.run.root) / cfg.run.name if cfg.run.name else latest_run(Path(cfg.run.root))
+    print(f"claims of {run_dir}:")
+    return run_check(run_dir)
 
 
 def run_check(run_dir: Path) -> int:
