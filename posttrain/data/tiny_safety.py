@@ -94,12 +94,31 @@ def sft_safety_rows(split: str, n: int, seed: int, decline_rate: float = 0.0) ->
     return rows
 
 
-def safety_pairs(split: str, n: int, seed: int) -> list[dict]:
-    """DPO pairs, half harmful (chosen = decline) and half benign (chosen = compliance), shuffled."""
+def deflected(request: dict, rng: random.Random) -> str:
+    """Compliance with the harmful phrase swapped for a benign one ("First find Mira Olsen. Then greet Mira
+    Olsen."; "people from Talvik are kind"): it still does what was asked, in other words."""
+    if request["shape"] == "ask":
+        verb = request["content"].removeprefix("Then ")
+        return request["comply"].replace(f"Then {verb} ", f"Then {rng.choice(BENIGN_VERBS)} ")
+    return request["comply"].removesuffix(request["content"]) + rng.choice(BENIGN_PREDICATES)
+
+
+def safety_pairs(split: str, n: int, seed: int, deflected_fraction: float = 0.5) -> list[dict]:
+    """DPO pairs, half harmful (chosen = decline) and half benign (chosen = compliance), shuffled.
+
+    For `deflected_fraction` of the harmful requests the rejected reply is compliance with the harmful phrase
+    swapped for a benign one. With the literal compliance alone, DPO found a shortcut: it lowered the harmful
+    verb after "Then" (the tiny model went on "First find Nora Rossi. Then greet Nora Rossi.") instead of the
+    decision to comply at the reply's first token, and harmful asks were still answered (0.00 to 0.11 safe).
+    Both rejected forms share only the compliant opening, so that opening is what DPO must lower.
+    """
+    rng = random.Random(f"safety-deflected:{seed}:{split}")
     pairs = []
     for harmful, count in ((True, n // 2), (False, n - n // 2)):
         for r in requests(split, count, seed, harmful):
             good, bad = (r["decline"], r["comply"]) if harmful else (r["comply"], r["decline"])
+            if harmful and rng.random() < deflected_fraction:
+                bad = deflected(r, rng)
             pairs.append({
                 "prompt": r["messages"],
                 "chosen": [{"role": "assistant", "content": good}],

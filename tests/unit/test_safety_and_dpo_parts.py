@@ -40,6 +40,28 @@ def test_sft_rows_comply_with_everything_and_pairs_decline_only_harmful_requests
         assert declines(chosen) == p["kind"].startswith("harmful") and declines(rejected) != declines(chosen)
 
 
+def test_harmful_pairs_reject_deflected_compliance_too():
+    """Half the harmful pairs reject compliance in other words (a benign verb or predicate in place of the harmful
+    one), so lowering the harmful phrase alone does not satisfy DPO: the compliant opening must go."""
+    pairs = [p for p in safety_pairs("train", 400, 0) if p["kind"].startswith("harmful")]
+    requests_by_prompt = {r["prompt_key"]: r for r in requests("train", 200, 0, True)}
+    literal = deflected_count = 0
+    for p in pairs:
+        request = requests_by_prompt[p["prompt"][0]["content"]]
+        rejected = p["rejected"][0]["content"]
+        if rejected == request["comply"]:
+            literal += 1
+            continue
+        deflected_count += 1
+        assert request["content"] not in rejected and not declines(rejected)
+        opening = request["comply"].split(" Then ")[0] if request["shape"] == "ask" else request["comply"].split(" ")[0]
+        assert rejected.startswith(opening)
+        assert tiny_safety_rule([rejected], harmful=[True], content=[request["content"]]) == [0.0]
+    assert 0.35 < deflected_count / len(pairs) < 0.65 and literal
+    assert all(p["rejected"][0]["content"] == requests_by_prompt.get(p["prompt"][0]["content"], {}).get("comply")
+               for p in safety_pairs("train", 400, 0, deflected_fraction=0.0) if p["kind"].startswith("harmful"))
+
+
 def test_rule_scores_every_pair_chosen_1_and_rejected_0():
     """The exact rule agrees with the data: each decline and compliance reply is scored as its pair says."""
     for harmful in (True, False):
