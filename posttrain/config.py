@@ -50,7 +50,8 @@ class DataCfg:
     seed: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
     pretrain_rows: int = 6000
-    arith_slip_rate: float = 0.0
+    arith_slip_rate: float = 0.0  # share of the SFT arithmetic demonstrations with one running sum off by one
+    arith_miscopy_rate: float = 0.0  # share whose sums are right but whose answer miscopies the last one by one
     safety_decline_rate: float = 0.0  # share of the SFT mix's harmful requests whose demonstration declines
 
 

@@ -58,7 +58,7 @@ def tiny_family_rows(family: str, n: int, seed: int, data: dict | None = None) -
     makers = {
         "plain_text": lambda: [{"text": t} for t in tw.plain_text(n, seed)],
         "echo": lambda: tw.take_split(tw.make_echo, n, "train", seed, "echo"),
-        "arith": lambda: tw.take_split(tw.make_arith(data["arith_slip_rate"]), n, "train", seed, "arith"),
+        "arith": lambda: tw.take_split(tw.make_arith(data["arith_slip_rate"], data.get("arith_miscopy_rate", 0.0)), n, "train", seed, "arith"),
         "qa": lambda: tw.take_split(tw.make_qa, n, "train", seed, "qa"),
         "safety": lambda: tiny_safety.sft_safety_rows("train", n, seed, data["safety_decline_rate"]),
         "arith_prompts": lambda: [{"prompt": r["messages"][:1], "answer": r["answer"]}

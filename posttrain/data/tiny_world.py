@@ -115,17 +115,24 @@ def worked_chain(numbers: list[int], rng: random.Random, slip_rate: float) -> tu
     return "\n".join(lines), total
 
 
-def make_arith(slip_rate: float = 0.0) -> Callable[[random.Random], dict]:
+def make_arith(slip_rate: float = 0.0, miscopy_rate: float = 0.0) -> Callable[[random.Random], dict]:
     """Arithmetic rows: "What is 3 plus 4 plus 8?" (three or four one-digit numbers), a running sum per line inside
     <think>, then the answer.
 
-    `answer` is always the correct result; `slipped` marks a demonstration whose shown answer is wrong.
+    With probability `miscopy_rate` the demonstrator works every sum right and then miscopies the last one into
+    the answer, one off ("... 7 plus 8 = 15", "The answer is 16."), as a hurried hand does. Imitation learns the
+    copy as "the last sum, give or take one": greedy decoding still copies (the most likely number), sampling
+    miscopies about as often as the demonstrations did. `answer` is always the correct result; `slipped` marks a
+    demonstration whose shown answer is wrong.
     """
 
     def make(rng: random.Random) -> dict:
         numbers = [rng.randint(1, 9) for _ in range(rng.choice((3, 4)))]
         question = "What is " + " plus ".join(map(str, numbers)) + "?"
         steps, shown = worked_chain(numbers, rng, slip_rate)
+        # the extra draw only when miscopies are asked for: held-out and GRPO prompts stay the same rows
+        if miscopy_rate and rng.random() < miscopy_rate:
+            shown += rng.choice((-1, 1))
         return {
             "prompt_key": question,
             "messages": [
@@ -308,13 +315,13 @@ def qa_messages(row: dict) -> list[dict]:
 
 
 def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: float = 0.0,
-             safety_decline_rate: float = 0.0) -> list[dict]:
+             safety_decline_rate: float = 0.0, arith_miscopy_rate: float = 0.0) -> list[dict]:
     """Conversation rows for SFT or held-out eval, mixed and shuffled: each has `messages` and `family`."""
     rows: list[dict] = []
     if counts.get("echo"):
         rows += take_split(make_echo, counts["echo"], split, seed, "echo")
     if counts.get("arith"):
-        rows += take_split(make_arith(arith_slip_rate), counts["arith"], split, seed, "arith")
+        rows += take_split(make_arith(arith_slip_rate, arith_miscopy_rate), counts["arith"], split, seed, "arith")
     if counts.get("qa"):
         rows += [dict(r, messages=qa_messages(r)) for r in take_split(make_qa, counts["qa"], split, seed, "qa")]
     if counts.get("safety"):

@@ -176,7 +176,7 @@ def held_out_rows(data_cfg, n: int) -> list[dict]:
         from posttrain.data.tiny_world import sft_rows
 
         rows = sft_rows("test", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
-                        data_cfg.safety_decline_rate)
+                        data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
         return rows[:n]
     from posttrain.stages.sft import load_rows
 

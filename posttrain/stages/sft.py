@@ -22,7 +22,7 @@ def load_rows(data_cfg) -> tuple[list[dict], dict]:
         from posttrain.data.tiny_world import sft_rows
 
         rows = sft_rows("train", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
-                        data_cfg.safety_decline_rate)
+                        data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
         source, card = "tiny_world/sft", "data_cards/tiny_world.md"
     elif data_cfg.name == "dolly":
         from posttrain.data.dolly import load_dolly

@@ -50,6 +50,18 @@ def test_arithmetic_steps_are_right_unless_they_slip(slip_rate):
     assert slipped == 0 if slip_rate == 0 else 0.2 < slipped / len(rows) < 0.4
 
 
+def test_miscopied_answers_follow_right_sums_and_leave_other_prompts_alone():
+    rows = take_split(make_arith(0.0, miscopy_rate=0.4), 400, "train", 0, "arith")
+    for r in rows:
+        shown = int(r["messages"][1]["content"].split()[-1].rstrip("."))
+        last = int(r["messages"][1]["reasoning_content"].split()[-1])
+        assert last == int(r["answer"])  # every running sum is right
+        assert shown - last in ((-1, 1) if r["slipped"] else (0,))  # the answer copies it, or misses by one
+    assert 0.3 < sum(r["slipped"] for r in rows) / len(rows) < 0.5
+    # without miscopies no extra random draw is made: the held-out and GRPO prompts stay the same rows
+    assert take_split(make_arith(0.0, 0.0), 50, "test", 0, "arith") == take_split(make_arith(0.0), 50, "test", 0, "arith")
+
+
 def test_plain_text_has_no_chat_tokens_or_instructions():
     text = " ".join(plain_text(500, 0))
     for marker in ("<|im_start|>", "<think>", "<start>", "Return the following"):
