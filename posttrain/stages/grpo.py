@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
+from collections import defaultdict
 from pathlib import Path
 
 from posttrain import training
@@ -142,6 +144,32 @@ class RewardTable:
                 }) + "\n")
 
 
+class StepTimer:
+    """Where a GRPO step's seconds go: generating the completions, scoring them, and the rest (log-probabilities,
+    the loss and the update). Wraps two GRPOTrainer methods on the instance (`_generate`, `_calculate_rewards`):
+    TRL times them too, but reports those timings to W&B only."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def attach(self, trainer) -> None:
+        for method, part in (("_generate", "generation"), ("_calculate_rewards", "scoring")):
+            original = getattr(trainer, method)
+
+            def timed(*args, _original=original, _part=part, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.seconds[_part] += time.perf_counter() - start
+
+            setattr(trainer, method, timed)
+
+    def per_step(self, steps: int, train_seconds: float) -> dict[str, float]:
+        rest = train_seconds - sum(self.seconds.values())
+        return {k: round(v / max(steps, 1), 4) for k, v in {**self.seconds, "update_and_rest": rest}.items()}
+
+
 def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
     """name -> (function, weight) from `grpo.rewards`; `reward_model` loads the scorer named by the recipe."""
     from rewards import REWARDS
@@ -223,7 +251,13 @@ def main(cfg, run: StageRun) -> dict:
     if resume:
         log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
+    timer = StepTimer()
+    timer.attach(trainer)
+    started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
+    step_seconds = timer.per_step(trainer.state.global_step - (int(resume.rsplit("-", 1)[-1]) if resume else 0),
+                                  time.perf_counter() - started)
+    log.info("grpo: seconds per step: %s", ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
 
     # --- save ----------------------------------------------------------------------------------------------------
     model = trainer.model
@@ -232,7 +266,7 @@ def main(cfg, run: StageRun) -> dict:
     curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), **moe.metrics(),
-               "reward_curve": curve, "completions_table": COMPLETIONS,
+               "reward_curve": curve, "completions_table": COMPLETIONS, "step_seconds": step_seconds,
                "prompts": len(rows)}
     if curve:
         log.info("grpo: mean reward by logging step: %s",
