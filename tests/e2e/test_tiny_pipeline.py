@@ -69,6 +69,9 @@ def test_grpo_logged_every_completion_with_each_reward(tiny_run):
     curve = json.loads((run_dir / "03-grpo" / "manifest.json").read_text())["metrics"]["reward_curve"]
     assert [c["step"] for c in curve] == [2, 4]
     assert all("rewards/math_verifier/mean" in c for c in curve)
+    seconds = json.loads((run_dir / "03-grpo" / "manifest.json").read_text())["metrics"]["step_seconds"]
+    assert set(seconds) == {"generation", "scoring", "update_and_rest"}
+    assert seconds["generation"] > 0 and seconds["scoring"] > 0 and seconds["update_and_rest"] > 0
 
 
 def test_grpo_made_high_advantage_completions_more_likely(tiny_run):
