@@ -19,7 +19,7 @@ from typing import Callable
 from posttrain.artifacts import read_manifest
 
 # Claims that are printed but do not fail the check yet ("not yet met"): empty once every claim holds.
-NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "reward_model.accuracy", "dpo.arith", "dpo.echo"})
+NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "reward_model.accuracy", "dpo.arith"})
 QUANTIZED = ("dpo-int8", "dpo-int4-gptq")
 SUITES = ("echo", "arith", "safety", "over_refusal")  # each suite's headline (greedy) score
 WINDOW = 5  # GRPO steps averaged at the start and at the end of its reward curve
