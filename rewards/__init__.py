@@ -4,7 +4,7 @@ Dataset columns arrive as keyword arguments; `None` means "not applicable to thi
 choose rewards by name through REWARDS, the one explicit name -> function table.
 """
 
-from rewards.code_verifier import code_verifier
+from rewards.code_verifier import code_verifier, code_verifier_strict
 from rewards.echo import echo_exact_match
 from rewards.safety import tiny_safety_rule
 from rewards.steps import running_sum_steps
@@ -12,6 +12,7 @@ from rewards.verifiers import math_verifier, think_format
 
 REWARDS = {
     "code_verifier": code_verifier,
+    "code_verifier_strict": code_verifier_strict,
     "echo_exact_match": echo_exact_match,
     "math_verifier": math_verifier,
     "running_sum_steps": running_sum_steps,
@@ -19,4 +20,13 @@ REWARDS = {
     "tiny_safety_rule": tiny_safety_rule,
 }
 
-__all__ = ["REWARDS", "code_verifier", "echo_exact_match", "math_verifier", "running_sum_steps", "think_format", "tiny_safety_rule"]
+__all__ = [
+    "REWARDS",
+    "code_verifier",
+    "code_verifier_strict",
+    "echo_exact_match",
+    "math_verifier",
+    "running_sum_steps",
+    "think_format",
+    "tiny_safety_rule",
+]

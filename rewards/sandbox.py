@@ -14,7 +14,7 @@ Kernel-enforced, always:
   * stdout and stderr read with a cap, never into unbounded memory: a child that writes more than
     `max_output_bytes` to either is killed;
   * a private working directory (HOME and TMPDIR point into it), a minimal environment (nothing inherited, so no
-    secrets), stdin at /dev/null; the directory is removed afterwards, its permissions repaired first, its symlinks
+    secrets), stdin holding only the input the caller gave (none by default); the directory is removed afterwards, its permissions repaired first, its symlinks
     never followed.
 
 Kernel-enforced where the host allows it (Linux; root, or unprivileged user namespaces):
@@ -24,14 +24,17 @@ Kernel-enforced where the host allows it (Linux; root, or unprivileged user name
   * the code runs as init of the PID namespace, so when it dies the kernel kills every process it started, even
     one that called setsid() to leave the process group. The parent ends a run through the trusted waiter outside
     the namespace (init's parent, leader of the group), which SIGKILLs init without any pid-reuse race;
-  * in the mount namespace every mount is read-only except the working directory, which is bind-mounted writable:
-    no write anywhere else, /tmp, /dev/shm and the user's home included; /proc is a fresh one that shows only the
-    sandbox's own processes;
-  * as root, the code runs as `nobody` with no capabilities: host files are protected by their permissions too,
-    other users' processes are out of reach (signals, /proc/<pid>/environ), and RLIMIT_NPROC is enforced (the
-    kernel ignores it for root), which stops fork and thread bombs. Where the interpreter is not readable by other
-    users (e.g. under a 0700 /root) the process keeps CAP_DAC_READ_SEARCH, so that it can still import the
-    standard library; it can then read any file, as root could, but still writes nowhere else;
+  * in the mount namespace the code gets a root of its own (pivot_root onto a fresh tmpfs, the host's root
+    detached): read-only, it holds the interpreter, its standard library (without site-packages) and the shared
+    libraries it loads, at their host paths, /etc/ld.so.cache, the usual /dev nodes, a fresh /proc that shows only
+    the sandbox's own processes, a private size-limited /tmp, and the working directory, the only writable host
+    path. Nothing else of the host is there to read: no home directory, no project checkout or virtual
+    environment, no /etc/shadow or /etc/passwd. Where the root cannot be built the run fails, naming the step;
+  * no capabilities at all: the bounding and ambient sets are emptied, then, as root, the code runs as `nobody`
+    (host files are protected by their permissions too, other users' processes are out of reach, and
+    RLIMIT_NPROC, which the kernel ignores for root, stops fork and thread bombs); unprivileged, it drops every
+    capability it holds in its user namespace. `no_capabilities` is reported only when /proc/self/status shows
+    all five sets empty;
   * no_new_privs: no execve can gain privileges (setuid binaries, file capabilities).
 
 In-interpreter guards (same process as the untrusted code; a determined program undoes them, e.g. through a
@@ -40,16 +43,17 @@ wrapper's closure or `type(sys.stdout.buffer.raw)`):
     machinery (_posixsubprocess.fork_exec), setsid/setpgid, kill/killpg; ctypes cannot be imported;
   * networking refused: socket creation and name resolution raise PermissionError (the only network defence on a
     host that allows no namespaces);
-  * writes, deletes, renames, chmods and the like outside the working directory raise PermissionError.
+  * writes, deletes, renames, chmods and the like outside the working directory (and the sandbox's own /tmp, where
+    it has one) raise PermissionError.
 
 What this is not: a security boundary against a determined human attacker. There is no seccomp filter (the whole
-kernel interface is reachable), no cgroup (RLIMIT_AS is per process, so N processes may use N times the memory,
-bounded by RLIMIT_NPROC), and reads are not confined: whatever the sandbox's user can read on the host stays
-readable. On a host that refuses namespaces (e.g. a container without CAP_SYS_ADMIN and without user namespaces)
-only the rlimits, the group kill, the uid drop when root, and the guards remain: a program that gets past the
-guards could then write wherever its user may, reach the network, or call setsid() and outlive the run. It is sized
-for model-written code during RL: runaway loops, fork and memory bombs, accidental or reward-hacking file, network
-and process mischief.
+kernel interface is reachable) and no cgroup (RLIMIT_AS is per process, so N processes may use N times the memory,
+bounded by RLIMIT_NPROC). On a host that refuses namespaces (e.g. a container without CAP_SYS_ADMIN and without
+user namespaces) only the rlimits, the group kill, the uid drop when root, and the guards remain: a program that
+gets past the guards could then read what its user may read, write wherever its user may, reach the network, or
+call setsid() and outlive the run; `missing_protections` names what is absent and the code verifier says so once.
+It is sized for model-written code during RL: runaway loops, fork and memory bombs, accidental or reward-hacking
+file, network and process mischief.
 """
 
 from __future__ import annotations
@@ -75,6 +79,31 @@ SANDBOX_UID = 65534
 SANDBOX_GID = 65534
 
 
+# What each kernel layer protects, in the words `missing_protections` uses when a host does not provide it.
+PROTECTIONS = {
+    "netns": "no network (the code could reach the network and the host's loopback services)",
+    "pidns": "a PID namespace (a process that calls setsid() could outlive the run)",
+    "private_root": "a root of its own (the code could read every host file its user can read)",
+    "readonly_root": "a read-only root (the code could write wherever its user can)",
+    "private_proc": "a private /proc (the code could see the host's processes)",
+    "no_capabilities": "an empty capability set",
+    "no_new_privs": "no_new_privs (a setuid program could gain privileges)",
+    "rlimit_nproc": "a process limit (fork bombs are stopped only by the interpreter guards)",
+}
+
+
+def missing_protections(isolation: tuple[str, ...] | list[str]) -> list[str]:
+    """The kernel protections a run's `isolation` lacks, described; [] when every one was in force.
+
+    >>> missing_protections(["netns", "pidns", "private_root", "readonly_root", "private_proc", "no_capabilities",
+    ...                      "no_new_privs", "rlimit_nproc"])
+    []
+    >>> missing_protections(["netns", "pidns", "rlimit_cpu", "guards"])[0]
+    'a root of its own (the code could read every host file its user can read)'
+    """
+    return [text for layer, text in PROTECTIONS.items() if layer not in isolation]
+
+
 @dataclass(frozen=True)
 class SandboxResult:
     """How one sandboxed run ended. `killed` is why it was stopped: "timeout", "output limit" or "cpu limit", else
@@ -84,6 +113,7 @@ class SandboxResult:
 
     returncode: int
     stdout: str
+    stdout_bytes: bytes
     stderr: str
     timed_out: bool
     killed: str | None
@@ -103,12 +133,15 @@ def run_sandboxed(
     max_file_mb: int = 16,
     max_open_files: int = 64,
     max_processes: int = 32,
+    tmp_mb: int = 16,
+    stdin: bytes = b"",
     kernel_isolation: bool = True,
     interpreter_guards: bool = True,
 ) -> SandboxResult:
     """Run Python `source` in a fresh, limited, isolated child interpreter (standard library only) and clean up.
 
-    `cpu_s` defaults to `timeout_s` rounded up. `kernel_isolation=False` skips namespaces and the uid drop and
+    `stdin` is what the program reads from its standard input. `cpu_s` defaults to `timeout_s` rounded up; `tmp_mb`
+    sizes the private /tmp. `kernel_isolation=False` skips namespaces and the uid drop and
     `interpreter_guards=False` skips the guards; both exist so that tests can check each layer on its own.
 
     >>> result = run_sandboxed("print(6 * 7)")
@@ -117,10 +150,14 @@ def run_sandboxed(
     >>> run_sandboxed("while True: pass", timeout_s=0.5).killed
     'timeout'
     """
+    interpreter = _interpreter()
+    drop = kernel_isolation and hasattr(os, "geteuid") and os.geteuid() == 0
+    if drop:
+        _check_readable_by_others(interpreter)
     outer = tempfile.mkdtemp(prefix="posttrain-sandbox-")
     workdir = os.path.join(outer, "work")
     os.mkdir(workdir, 0o700)
-    drop = kernel_isolation and hasattr(os, "geteuid") and os.geteuid() == 0
+    os.mkdir(os.path.join(outer, "root"), 0o700)  # where the child mounts its own root
     if drop:
         # The parent directory stays root's: `nobody` cannot rename its working directory away and leave a
         # symlink in its place for the cleanup to follow.
@@ -134,7 +171,8 @@ def run_sandboxed(
         "drop": drop,
         "uid": SANDBOX_UID,
         "gid": SANDBOX_GID,
-        "keep_read_search": drop and not _others_can_run_python(),
+        "root_dir": os.path.join(outer, "root"),
+        "tmp_mb": tmp_mb,
         "cpu_s": cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s)),
         "memory_mb": memory_mb,
         "max_file_mb": max_file_mb,
@@ -146,7 +184,7 @@ def run_sandboxed(
     try:
         # No preexec_fn: it is unsafe in a threaded parent (trainers are); the child limits itself before anything else.
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", "-c", f"{_bootstrap_source()}\n_child_main({config!r})\n"],
+            [interpreter, "-I", "-S", "-B", "-c", f"{_bootstrap_source()}\n_child_main({config!r})\n"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -164,7 +202,8 @@ def run_sandboxed(
     output = {"stdout": bytearray(), "stderr": bytearray(), "info": bytearray()}
     killed = None
     try:
-        data = source.encode("utf-8", "surrogatepass")
+        program = source.encode("utf-8", "surrogatepass")
+        data = b"%d\n" % len(program) + program + stdin  # the child reads exactly the program; the rest is its input
         killed = _pump(proc, data, info_r, output, start + timeout_s, max_output_bytes)
     finally:
         info = _parse_info(bytes(output["info"]))
@@ -176,12 +215,15 @@ def run_sandboxed(
                     stream.close()
             os.close(info_r)
             _remove_tree(outer)
+    if kernel_isolation and not info.get("layers") and (error := _bootstrap_error(output["stderr"])):
+        raise RuntimeError(f"the code sandbox could not start on this host: {error}")
     if killed is None and proc.returncode < 0:
         cpu_limited = -proc.returncode in (signal.SIGKILL, signal.SIGXCPU) and cpu_time_s >= config["cpu_s"] - 0.05
         killed = "cpu limit" if cpu_limited else _signal_name(-proc.returncode)
     return SandboxResult(
         returncode=proc.returncode,
         stdout=bytes(output["stdout"][:max_output_bytes]).decode("utf-8", "replace"),
+        stdout_bytes=bytes(output["stdout"][:max_output_bytes]),
         stderr=bytes(output["stderr"][:max_output_bytes]).decode("utf-8", "replace"),
         timed_out=killed == "timeout",
         killed=killed,
@@ -346,6 +388,12 @@ def _parse_info(data: bytes) -> dict:
     return info
 
 
+def _bootstrap_error(stderr: bytearray) -> str | None:
+    """The child's own message where it stopped before reporting its layers (before any untrusted code ran)."""
+    lines = bytes(stderr[-4096:]).decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines and lines[-1].startswith("sandbox: ") else None
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -369,22 +417,26 @@ def _remove_tree(path: str) -> None:
         warnings.warn(f"could not remove the sandbox directory {path}", RuntimeWarning, stacklevel=3)
 
 
-def _others_can_run_python() -> bool:
-    """Whether a user without privileges can start this interpreter and read its standard library."""
-    checks = [(sys.executable, stat.S_IXOTH), (os.path.dirname(os.__file__), stat.S_IXOTH | stat.S_IROTH)]
-    for path, needed in checks:
-        path = os.path.realpath(path)
-        while True:
-            try:
-                if os.stat(path).st_mode & needed != needed:
-                    return False
-            except OSError:
-                return False
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path, needed = parent, stat.S_IXOTH
-    return True
+def _interpreter() -> str:
+    """The interpreter the sandbox runs: the base one under a virtual environment (it runs with -I -S, standard
+    library only, so the environment's packages would not be used anyway)."""
+    base = getattr(sys, "_base_executable", "") or ""
+    return base if os.path.isfile(base) and os.access(base, os.X_OK) else sys.executable
+
+
+@functools.cache
+def _check_readable_by_others(interpreter: str) -> None:
+    """As root the code runs as `nobody`, which must be able to read the interpreter and its standard library in the
+    sandbox's root (where their host directories' own permissions, such as a 0700 home, no longer stand between)."""
+    library = os.path.dirname(os.__file__)
+    for path, needed in ((os.path.realpath(interpreter), stat.S_IXOTH | stat.S_IROTH),
+                         (library, stat.S_IXOTH | stat.S_IROTH), (os.__file__, stat.S_IROTH)):
+        if os.stat(path).st_mode & needed != needed:
+            raise PermissionError(
+                f"the code sandbox runs untrusted code as nobody (uid {SANDBOX_UID}), which cannot read {path}: "
+                f"make the interpreter readable by other users (chmod -R o+rX {os.path.dirname(library)}) or run "
+                "the trainer as an ordinary user"
+            )
 
 
 @functools.cache

@@ -6,14 +6,26 @@ trainer's process: they unshare namespaces, drop privileges and patch the standa
 """
 
 def _child_main(config: dict) -> None:
-    """Read the program from stdin, isolate and limit this process, report the layers in force, run the program."""
+    """Read the program from stdin, isolate and limit this process, report the layers in force, run the program.
+
+    Stdin starts with the program's length in bytes on a line of its own, then the program; whatever follows is the
+    program's own input (empty unless the parent sent some).
+    """
     import os
     import resource
 
-    chunks = []
-    while chunk := os.read(0, 1 << 16):
+    header = b""
+    while not header.endswith(b"\n") and len(header) < 24:
+        header += os.read(0, 1)
+    size, chunks = int(header), []
+    while size > 0 and (chunk := os.read(0, min(size, 1 << 16))):
         chunks.append(chunk)
+        size -= len(chunk)
     source = b"".join(chunks).decode("utf-8", "surrogatepass")
+    chunks = []
+    while chunk := os.read(0, 1 << 16):  # the parent closes the pipe after the input
+        chunks.append(chunk)
+    stdin = b"".join(chunks)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -23,30 +35,46 @@ def _child_main(config: dict) -> None:
     if "pidns" in layers:
         _fork_namespace_init(info)  # returns only in the namespace's init; its parent waits outside
     if "mountns" in layers:
-        layers += _seal_filesystem(os.getcwd())
+        layers += _build_root(os.getcwd(), config)
+    if config["kernel"]:
+        layers += _drop_capability_bounds()  # while this process may still change them: before the uid drop
     if config["drop"]:
-        dropped = _drop_privileges(config["uid"], config["gid"], config["keep_read_search"])
+        dropped = _drop_privileges(config["uid"], config["gid"])
         if not dropped:  # the host refused: take the directory back, and still shed the capabilities
             os.chown(".", os.getuid(), os.getgid())
-            dropped = _drop_capabilities()
         layers += dropped
-    elif "userns" in layers:
-        layers += _drop_capabilities()  # those it holds inside its user namespace, which could undo the mounts
+    if config["kernel"] or config["drop"]:
+        layers += _drop_capabilities()  # those left (in a user namespace: all of them within it)
     if config["kernel"]:
         layers += _no_new_privs()
     if "pidns" in layers:
         layers += _die_with_waiter()  # after the uid drop, which would clear it
+    if stdin:
+        _input_on_stdin(stdin)  # now: the descriptor belongs to the user the program runs as
     # RLIMIT_NPROC counts all processes of the user: meaningful for `nobody` or a fresh user namespace only.
     counted = "userns" in layers or f"uid:{config['uid']}" in layers
     layers += _set_limits(config, nproc=counted)
     if config["guards"]:
-        _install_guards(os.getcwd())
+        _install_guards(os.getcwd(), private_tmp="private_tmp" in layers)
         layers.append("guards")
     os.write(info, f"layers {','.join(layers)}\n".encode())
     os.close(info)  # from here on nothing the program does can add to the report
     code = compile(source, "<sandbox>", "exec")
-    del chunks, source, config
+    del chunks, source, stdin, config
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102 - running it is the point
+
+
+def _input_on_stdin(data: bytes) -> None:
+    """Put `data` on file descriptor 0, in an anonymous file this process owns, so `open("/dev/stdin")` works too."""
+    import os
+
+    fd = os.memfd_create("stdin")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 0)
+    os.close(fd)
 
 
 def _unshare_namespaces(allow_userns: bool) -> list[str]:
@@ -76,37 +104,124 @@ def _unshare_namespaces(allow_userns: bool) -> list[str]:
     return ["userns", "netns", "pidns", "mountns", "ipcns", "utsns"]
 
 
-def _seal_filesystem(workdir: str) -> list[str]:
-    """In the new mount namespace: every mount read-only except the working directory, and a /proc of our own.
+def _build_root(workdir: str, config: dict) -> list[str]:
+    """In the new mount namespace, switch to a root that holds only what the program needs, and report it.
 
-    Runs in the PID namespace's init, so that the new /proc shows only the sandbox's processes.
+    The root is an empty tmpfs, read-only once built, holding: the interpreter and its standard library (without
+    site-packages) and the shared libraries it loads, read-only, at their host paths; /etc/ld.so.cache, so that the
+    standard library's extension modules find their libraries as on the host; /dev/null, zero, full, random and
+    urandom; a fresh /proc (this runs in the PID namespace's init, so it shows only the sandbox's processes); a
+    private, size-limited /tmp; and the working directory, writable, at its host path. Nothing else of the host:
+    no home directory, no project checkout, no /etc beyond the loader's cache, no old root.
+
+    Runs with the mount namespace's capabilities (as root, or in a user namespace). Exits the process, naming the
+    step and errno, where the root cannot be built: code must not run with the host's files in view because one
+    mount failed.
     """
     import ctypes
     import os
+    import sys
 
-    ms_nosuid, ms_nodev, ms_noexec, ms_bind, ms_rec, ms_private = 2, 4, 8, 4096, 16384, 1 << 18
-    mount_attr_rdonly, at_recursive, at_fdcwd, sys_mount_setattr = 1, 0x8000, -100, 442
+    ms_rdonly, ms_nosuid, ms_nodev, ms_noexec, ms_remount, ms_bind, ms_move, ms_rec, ms_private = (
+        1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
     libc = ctypes.CDLL(None, use_errno=True)
+
+    def fail(step: str) -> None:
+        errno = ctypes.get_errno()
+        raise SystemExit(f"sandbox: could not build its root: {step}: {os.strerror(errno)} (errno {errno})")
+
+    def mount(source, target: str, fstype, flags: int, data=None, step: str = "") -> None:
+        encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
+        if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+            fail(step or f"mount {target}")
+
+    def read_only(target: str) -> None:
+        """Make a mount read-only, nosuid, nodev: mount_setattr(2) (Linux 5.12+), else a bind remount."""
+        attr = (ctypes.c_uint64 * 4)(1 | 2 | 4, 0, 0, 0)  # MOUNT_ATTR_RDONLY | NOSUID | NODEV; clear, propagation, fd
+        at_fdcwd, at_recursive = -100, 0x8000
+        if libc.syscall(ctypes.c_long(442), ctypes.c_int(at_fdcwd),  # mount_setattr: 442 on every architecture
+                                                ctypes.c_char_p(os.fsencode(target)), ctypes.c_uint(at_recursive),
+                                                attr, ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+            return
+        # A remount must keep the flags the kernel locked on the host's mount (nosuid, noexec, atime...).
+        locked = {os.ST_NOSUID: ms_nosuid, os.ST_NODEV: ms_nodev, os.ST_NOEXEC: ms_noexec, os.ST_NOATIME: 1024,
+                  os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}
+        kept = sum(flag for st, flag in locked.items() if os.statvfs(target).f_flag & st)
+        mount(None, target, None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev | kept, step=f"read-only {target}")
+
     # First make every mount private to this namespace: a mount made while one is shared would show on the host.
-    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
-        return []
-    layers = ["private_mounts"]
+    mount(None, "/", None, ms_rec | ms_private, step="make mounts private")
+    new = config["root_dir"]
+    mount("tmpfs", new, "tmpfs", ms_nosuid | ms_nodev, "size=1m,nr_inodes=4096,mode=755", step="root tmpfs")
 
-    def set_attributes(path: bytes, set_: int, clear: int) -> bool:
-        attr = (ctypes.c_uint64 * 4)(set_, clear, 0, 0)  # struct mount_attr: set, clear, propagation, userns_fd
-        return libc.syscall(ctypes.c_long(sys_mount_setattr), ctypes.c_long(at_fdcwd), ctypes.c_char_p(path),
-                            ctypes.c_uint(at_recursive), attr, ctypes.c_size_t(ctypes.sizeof(attr))) == 0
+    def inside(path: str) -> str:
+        return new + path
 
-    work = os.fsencode(workdir)
-    if libc.mount(work, work, None, ms_bind | ms_rec, None) == 0:
-        os.chdir(workdir)  # onto the new mount: the old working directory still belongs to the read-only one
-        if set_attributes(b"/", mount_attr_rdonly, 0):  # mount_setattr(2), Linux 5.12+
-            if set_attributes(work, 0, mount_attr_rdonly):
-                layers.append("readonly_root")
-            else:  # a sandbox that cannot write its own directory is broken, not safer
-                set_attributes(b"/", 0, mount_attr_rdonly)
-    if libc.mount(b"proc", b"/proc", b"proc", ms_nosuid | ms_nodev | ms_noexec, None) == 0:
-        layers.append("private_proc")
+    def make(path: str, directory: bool) -> None:
+        os.makedirs(inside(path) if directory else os.path.dirname(inside(path)), mode=0o755, exist_ok=True)
+        if not directory and not os.path.exists(inside(path)):
+            os.close(os.open(inside(path), os.O_WRONLY | os.O_CREAT, 0o644))
+
+    # What the interpreter reads: its executable, the directories on its path, and the shared objects it maps.
+    binds = {os.path.realpath(sys.executable): os.path.realpath(sys.executable)}
+    for entry in sys.path:
+        if os.path.isdir(entry):
+            binds[entry] = os.path.realpath(entry)
+    with open("/proc/self/maps") as f:
+        mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+    library_dirs = {os.path.dirname(path) for path in mapped if path.startswith("/") and ".so" in path}
+    for path in ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", *library_dirs):
+        if os.path.isdir(path):
+            binds[path] = os.path.realpath(path)
+    if os.path.isfile("/etc/ld.so.cache"):
+        binds["/etc/ld.so.cache"] = "/etc/ld.so.cache"
+    covered: list[str] = []
+    for target in sorted(binds):  # a parent sorts before what it holds
+        if any(target == done or target.startswith(done.rstrip("/") + "/") for done in covered):
+            continue
+        if os.path.islink(target) and os.path.dirname(target) == "/":  # e.g. /lib -> usr/lib on merged-/usr hosts
+            os.symlink(os.readlink(target), inside(target))
+            covered.append(target)  # what the link points to is bound on its own
+            continue
+        make(target, os.path.isdir(binds[target]))
+        mount(binds[target], inside(target), None, ms_bind | ms_rec)
+        read_only(inside(target))
+        covered.append(target)
+    for entry in sys.path:  # installed packages are not the standard library: hide them
+        for name in ("site-packages", "dist-packages"):
+            if os.path.isdir(os.path.join(entry, name)):
+                mount("tmpfs", inside(os.path.join(entry, name)), "tmpfs", ms_nosuid | ms_nodev | ms_rdonly,
+                      "size=4k,nr_inodes=1,mode=555")
+    make("/dev", True)
+    for name in ("null", "zero", "full", "random", "urandom"):
+        make(f"/dev/{name}", False)
+        mount(f"/dev/{name}", inside(f"/dev/{name}"), None, ms_bind)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, inside(f"/dev/{name}"))
+    layers = ["private_root"]
+    make("/proc", True)
+    if libc.mount(b"proc", os.fsencode(inside("/proc")), b"proc", ms_nosuid | ms_nodev | ms_noexec, None) == 0:
+        layers.append("private_proc")  # where refused, /proc stays an empty directory: the host's is not in view
+    make("/tmp", True)
+    mount("tmpfs", inside("/tmp"), "tmpfs", ms_nosuid | ms_nodev,
+          f"size={config['tmp_mb']}m,nr_inodes=4096,mode=1777", step="/tmp tmpfs")
+    layers.append("private_tmp")
+    make(workdir, True)
+    mount(workdir, inside(workdir), None, ms_bind | ms_rec, step="bind the working directory")
+    mount(None, new, None, ms_remount | ms_rdonly | ms_nosuid | ms_nodev, step="read-only root")
+    layers.append("readonly_root")
+    # pivot_root(".", ".") stacks the old root on the new one; detaching it leaves nothing of the host above us.
+    os.chdir(new)
+    pivot = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(os.uname().machine)  # not platform: importing it costs more than this whole function
+    if pivot is not None and libc.syscall(ctypes.c_long(pivot), b".", b".") == 0:
+        if libc.umount2(b".", 2) != 0:  # MNT_DETACH
+            fail("detach the old root")
+    else:  # no pivot_root here: move the new root over / and chroot into it (what switch_root does)
+        mount(".", "/", None, ms_move, step="move the root")
+        if libc.chroot(b".") != 0:
+            fail("chroot")
+    os.chdir(workdir)
     return layers
 
 
@@ -142,44 +257,55 @@ def _fork_namespace_init(info: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-def _drop_privileges(uid: int, gid: int, keep_read_search: bool) -> list[str]:
-    """Become `uid`:`gid` with no capabilities (CAP_DAC_READ_SEARCH kept if asked); [] if that is refused."""
-    import ctypes
+def _drop_privileges(uid: int, gid: int) -> list[str]:
+    """Become `uid`:`gid` with no supplementary groups, which clears every capability; [] if that is refused."""
     import os
 
-    cap_dac_read_search, pr_set_keepcaps = 2, 8
-    libc = ctypes.CDLL(None, use_errno=True)
-    if keep_read_search:
-        with open("/proc/self/status") as f:
-            effective = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
-        # Without the capability, `nobody` could not read the interpreter's own library: better not to drop at all.
-        if not effective >> cap_dac_read_search & 1 or libc.prctl(pr_set_keepcaps, 1, 0, 0, 0) != 0:
-            return []
     try:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
     except OSError:
         return []
-    layers = [f"uid:{uid}"]
-    if keep_read_search:
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-        bit = 1 << cap_dac_read_search
-        if libc.capset(header, (ctypes.c_uint32 * 6)(bit, bit, 0, 0, 0, 0)) != 0:  # effective, permitted, inheritable
-            raise SystemExit("sandbox: capset failed after the uid drop")
-        libc.prctl(pr_set_keepcaps, 0, 0, 0, 0)
-        layers.append("cap_dac_read_search")
-    return layers
+    return [f"uid:{uid}"]
+
+
+def _drop_capability_bounds() -> list[str]:
+    """Empty the capability bounding set and the ambient set: no later execve can regain a capability.
+
+    Needs CAP_SETPCAP (root, or the owner of a user namespace); an ordinary user without namespaces holds no
+    capabilities to begin with, and then this reports nothing.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, pr_cap_ambient, pr_cap_ambient_clear_all, einval = 24, 47, 4, 22
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 63  # past the last one the kernel knows, dropping fails with EINVAL, which is fine
+    for cap in range(last + 1):
+        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0 and ctypes.get_errno() != einval:
+            return []
+    libc.prctl(pr_cap_ambient, pr_cap_ambient_clear_all, 0, 0, 0)
+    return ["empty_bounding_set"]
 
 
 def _drop_capabilities() -> list[str]:
-    """Clear every capability this process holds (in a user namespace: all of them, within it)."""
+    """Clear the effective, permitted and inheritable sets; reports `no_capabilities` only when /proc/self/status
+    then shows all five sets (effective, permitted, inheritable, bounding, ambient) empty."""
     import ctypes
 
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     if ctypes.CDLL(None, use_errno=True).capset(header, (ctypes.c_uint32 * 6)()) != 0:
         raise SystemExit("sandbox: could not drop capabilities")
-    return ["no_capabilities"]
+    try:
+        with open("/proc/self/status") as f:
+            sets = {line.split(":")[0]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
+    except OSError:
+        return []
+    return ["no_capabilities"] if len(sets) == 5 and not any(sets.values()) else []
 
 
 def _die_with_waiter() -> list[str]:
@@ -229,8 +355,9 @@ def _set_limits(config: dict, nproc: bool) -> list[str]:
     return applied
 
 
-def _install_guards(workdir: str) -> None:
-    """Refuse process creation, networking, and writes outside `workdir`, from inside Python (defence in depth)."""
+def _install_guards(workdir: str, private_tmp: bool) -> None:
+    """Refuse process creation, networking, and writes outside `workdir` (and the sandbox's own /tmp where it has
+    one), from inside Python (defence in depth)."""
     import _posixsubprocess
     import _socket
     import builtins
@@ -240,7 +367,7 @@ def _install_guards(workdir: str) -> None:
     import socket
     import sys
 
-    root = os.path.realpath(workdir)
+    writable = (os.path.realpath(workdir), "/tmp") if private_tmp else (os.path.realpath(workdir),)
     realpath, join, getcwd, readlink, fspath, fsdecode = (
         os.path.realpath, os.path.join, os.getcwd, os.readlink, os.fspath, os.fsdecode)
 
@@ -280,7 +407,7 @@ def _install_guards(workdir: str) -> None:
         parts = real.split("/")
         if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and not real.startswith(own_proc):
             raise PermissionError(f"sandbox: cannot open {path!r}, another process's")
-        if write and real != root and not real.startswith(root + "/"):
+        if write and not any(real == place or real.startswith(place + "/") for place in writable):
             raise PermissionError(f"sandbox: cannot modify {path!r}, outside the working directory")
 
     real_open, real_os_open = io.open, os.open
@@ -317,5 +444,6 @@ def _install_guards(workdir: str) -> None:
             setattr(posix, name, getattr(os, name))
 
 
-CHILD_FUNCTIONS = (_child_main, _unshare_namespaces, _seal_filesystem, _fork_namespace_init, _drop_privileges,
-                   _drop_capabilities, _die_with_waiter, _no_new_privs, _set_limits, _install_guards)
+CHILD_FUNCTIONS = (_child_main, _input_on_stdin, _unshare_namespaces, _build_root, _fork_namespace_init, _drop_privileges,
+                   _drop_capability_bounds, _drop_capabilities, _die_with_waiter, _no_new_privs, _set_limits,
+                   _install_guards)

@@ -1,182 +1,42 @@
 """The sandboxed code verifier: scoring, the sandbox's limits, and a hostile suite that must score 0.0, stop within
-its limits, and leave the host as it was (no process, file, connection, signal or secret left behind or let out)."""
+its limits, and leave the host as it was (no process, file, connection, signal or secret left behind or let out).
+
+tests/unit/test_sandbox_layers.py runs this module again as a fresh unprivileged user.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
-import signal
-import socket
 import sys
 import textwrap
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from rewards import REWARDS
 from rewards.code_verifier import code_verifier, extract_code
-from rewards.sandbox import SandboxResult, run_sandboxed
+from rewards.sandbox import run_sandboxed
+from tests.unit.sandbox_support import (  # noqa: F401 - fixtures are used by name
+    CORRECT,
+    FAST,
+    MARKER,
+    SLACK_S,
+    TESTS,
+    WRONG,
+    assert_cleaned_up,
+    host,
+    layers,
+    no_stray_processes,
+    reply,
+    runs,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox's host checks read Linux /proc")
 
-verifier_module = importlib.import_module("rewards.code_verifier")  # `rewards.code_verifier` is also the function
-
-MARKER = f"posttrain-sandbox-test-{uuid.uuid4().hex}"  # in the argv of every process a hostile test tries to leave
-SLACK_S = 3.0  # interpreter startup and teardown, on a loaded machine
-FAST = {"timeout_s": 3.0, "test_timeout_s": 1.0, "memory_mb": 256}
-CORRECT = "def add(a, b):\n    return a + b\n"
-WRONG = "def add(a, b):\n    return a - b\n"
-TESTS = ["assert add(1, 2) == 3", "assert add(2, 3) == 5"]
-
-
-def reply(code: str) -> str:
-    return f"<think>\nWrite add.\n</think>\n\nHere it is:\n```python\n{code}\n```\n"
-
-
-def live_processes(match) -> list[str]:
-    """Live (non-zombie) processes, other than this one, for which match(cmdline, environ) holds."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X"):
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            environ = []
-        if match(cmdline, environ):
-            found.append(pid)
-    return found
-
-
-def marker_processes() -> list[str]:
-    return live_processes(lambda cmdline, environ: MARKER.encode() in cmdline)
-
-
-def run_processes(result: SandboxResult) -> list[str]:
-    """Processes of one sandbox run: each inherits HOME=<its working directory> (readable to root, as in CI)."""
-    home = f"HOME={result.workdir}".encode()
-    return live_processes(lambda cmdline, environ: home in environ or MARKER.encode() in cmdline)
-
-
-def assert_cleaned_up(result: SandboxResult) -> None:
-    leftovers = run_processes(result)
-    for pid in leftovers:  # never leave one behind, even when the test fails
-        with contextlib.suppress(OSError):
-            os.kill(int(pid), signal.SIGKILL)
-    assert not leftovers, "a process of the sandbox run outlived it"
-    assert not os.path.lexists(result.workdir) and not os.path.lexists(os.path.dirname(result.workdir))
-
-
-@pytest.fixture(autouse=True)
-def no_stray_processes():
-    yield
-    strays = marker_processes()
-    for pid in strays:  # never leave one behind, even when the test fails
-        with contextlib.suppress(OSError):
-            os.kill(int(pid), signal.SIGKILL)
-    assert not strays, f"processes outlived their sandbox: {strays}"
-
-
-@pytest.fixture
-def runs(monkeypatch) -> list[SandboxResult]:
-    """The SandboxResult of every run code_verifier makes."""
-    results: list[SandboxResult] = []
-
-    def spy(*args, **kwargs):
-        results.append(run_sandboxed(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(verifier_module, "run_sandboxed", spy)
-    return results
-
-
-@dataclass
-class Host:
-    """What hostile code might reach for, and the checks that it did not get it."""
-
-    tmp: Path
-    tcp: socket.socket
-    udp: socket.socket
-    unix: socket.socket
-    unix_path: Path
-    sentinel: Path
-    keep: Path
-    outside: Path
-    in_tmp: Path
-    secret: str
-    layers: set[str]
-    signals: list = field(default_factory=list)
-
-    @property
-    def port(self) -> int:
-        return self.tcp.getsockname()[1]
-
-    @property
-    def udp_port(self) -> int:
-        return self.udp.getsockname()[1]
-
-    def assert_untouched(self, results: list[SandboxResult]) -> None:
-        for listener in (self.tcp, self.unix):
-            with pytest.raises(BlockingIOError):
-                listener.accept()
-        with pytest.raises(BlockingIOError):
-            self.udp.recvfrom(100)
-        assert self.sentinel.read_text() == "keep me"
-        assert (self.keep / "file.txt").read_text() == "keep me too" and (self.keep.stat().st_mode & 0o777) == 0o755
-        assert not self.outside.exists() and not self.in_tmp.exists()
-        assert self.signals == []
-        for result in results:
-            assert self.secret not in result.stdout + result.stderr
-
-
-@pytest.fixture(scope="session")
-def layers() -> set[str]:
-    """The isolation layers this host provides."""
-    return set(run_sandboxed("pass").isolation)
-
-
-@pytest.fixture
-def host(tmp_path, monkeypatch, layers):
-    secret = f"secret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("POSTTRAIN_SANDBOX_SECRET", secret)
-    tcp = socket.create_server(("127.0.0.1", 0))
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    unix_path = tmp_path / "host.sock"
-    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    unix.bind(str(unix_path))
-    unix.listen()
-    for s in (tcp, udp, unix):
-        s.setblocking(False)
-    sentinel = tmp_path / "sentinel.txt"
-    sentinel.write_text("keep me")
-    keep = tmp_path / "keep"
-    keep.mkdir(mode=0o755)
-    keep.chmod(0o755)
-    (keep / "file.txt").write_text("keep me too")
-    signals: list = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: signals.append(signum))
-    in_tmp = Path("/tmp") / f"{MARKER}-pwned.txt"
-    yield Host(
-        tmp=tmp_path, tcp=tcp, udp=udp, unix=unix, unix_path=unix_path, sentinel=sentinel, keep=keep,
-        outside=tmp_path / "pwned.txt", in_tmp=in_tmp, secret=secret, layers=layers, signals=signals,
-    )
-    signal.signal(signal.SIGUSR1, previous)
-    for s in (tcp, udp, unix):
-        s.close()
-    with contextlib.suppress(FileNotFoundError):
-        in_tmp.unlink()
+CHECKOUT_FILE = Path(__file__).resolve()  # the project checkout: its eval sets, configs and code
+VENV_FILE = Path(sys.prefix, "pyvenv.cfg") if sys.prefix != sys.base_prefix else Path(sys.prefix, "bin", "python3")
+BASE_SITE_PACKAGES = Path(os.path.dirname(os.__file__), "site-packages")
 
 
 # Scoring
@@ -288,10 +148,14 @@ def test_sandbox_stops_runaway_code_within_its_limit(source, limits, killed):
 
 def test_sandbox_layers_in_force_on_this_host(layers):
     assert {"guards", "rlimit_cpu", "rlimit_as", "rlimit_fsize", "rlimit_nofile", "rlimit_core"} <= layers
-    if os.geteuid() == 0 and "uid:65534" not in layers:
-        pytest.skip(f"running as root, but this host refused the uid drop: {sorted(layers)}")
-    if os.geteuid() == 0:
-        assert {"uid:65534", "no_new_privs", "rlimit_nproc"} <= layers
+    confined = {"netns", "pidns", "mountns", "private_root", "readonly_root", "private_proc", "private_tmp",
+                "empty_bounding_set", "no_capabilities", "no_new_privs", "rlimit_nproc"}
+    if os.geteuid() == 0:  # root can always unshare and drop to nobody
+        assert confined | {"uid:65534"} <= layers
+    elif "userns" not in layers:
+        pytest.skip(f"this host refuses unprivileged user namespaces: {sorted(layers)}")
+    else:
+        assert confined <= layers
 
 
 # The hostile suite: each attempt below would score 1.0 (or fake it) if it worked.
@@ -401,6 +265,24 @@ HOSTILE = {
     "dns": lambda h: "import socket\nsocket.getaddrinfo('example.com', 443)\n" + CORRECT,
     "signal-the-host": lambda h: f"import os, signal\nos.kill({os.getpid()}, signal.SIGUSR1)\n" + CORRECT,
     "kill-own-group": lambda h: "import os, signal\nos.killpg(0, signal.SIGUSR1)\n" + CORRECT,
+    # Reads of the host: each solution defines its function only if the read returned the host's data.
+    "read-owner-only-file": lambda h: f"assert open('{h.secret_file}').read() == '{h.secret}'\n" + CORRECT,
+    "read-etc-shadow": lambda h: "assert 'root:' in open('/etc/shadow').read()\n" + CORRECT,
+    "read-etc-passwd": lambda h: "assert 'root:' in open('/etc/passwd').read()\n" + CORRECT,
+    "read-checkout": lambda h: f"assert 'read-checkout' in open('{CHECKOUT_FILE}').read()\n" + CORRECT,
+    "list-checkout": lambda h: f"import os\nassert os.listdir('{CHECKOUT_FILE.parents[2]}')\n" + CORRECT,
+    "read-venv": lambda h: f"assert open('{VENV_FILE}', 'rb').read()\n" + CORRECT,
+    "list-site-packages": lambda h: f"import os\nassert os.listdir('{BASE_SITE_PACKAGES}')\n" + CORRECT,
+    "read-a-home": lambda h: "import os\nhomes = ['/root', '/home', *('/home/' + u for u in os.listdir('/home'))]\n"
+    "assert any(n.startswith('.') for d in homes if os.path.isdir(d) for n in os.listdir(d) if n != '.pyenv')\n"
+    + CORRECT,
+    "host-init-cmdline": lambda h: f"assert open('/proc/1/cmdline', 'rb').read() == {Path('/proc/1/cmdline').read_bytes()!r}\n"
+    + CORRECT,
+    "host-init-environ": lambda h: "assert b'posttrain-sandbox-' not in open('/proc/1/environ', 'rb').read()\n"
+    + CORRECT,  # pid 1 is the sandbox's own init (HOME is its working directory), not the host's
+    "host-processes": lambda h: f"import os\nassert '{os.getpid()}' in os.listdir('/proc')\n" + CORRECT,
+    "host-root-listing": lambda h: "import os\nassert {'boot', 'home', 'sbin', 'var'} & set(os.listdir('/')) or "
+    "'old_root' in os.listdir('/')\n" + CORRECT,
 }
 
 
@@ -408,162 +290,12 @@ HOSTILE = {
 def test_hostile_code_scores_zero_and_leaves_the_host_as_it_was(name, host, runs):
     limits = {**FAST, "timeout_s": 2.0} if name == "loop-ignoring-signals" else FAST
     start = time.monotonic()
+    # The sandbox's own /tmp is writable and private: the write succeeds there, and the host's /tmp is untouched.
+    expected = 1.0 if name == "write-into-tmp" and "private_tmp" in host.layers else 0.0
     scores = code_verifier([reply(HOSTILE[name](host))], tests=[TESTS], **limits)
     elapsed = time.monotonic() - start
-    assert scores == [0.0], (runs[-1].stdout[-500:], runs[-1].stderr[-2000:])
+    assert scores == [expected], (runs[-1].stdout[-500:], runs[-1].stderr[-2000:])
     assert elapsed < limits["timeout_s"] + SLACK_S
     assert len(runs) == 1
     assert_cleaned_up(runs[0])
     host.assert_untouched(runs)
-
-
-# Each kernel layer on its own (interpreter guards off): skipped where this host does not provide the layer.
-
-
-def kernel_only(layers: set[str], needs: set[str], source: str, **limits) -> SandboxResult:
-    """Run `source` with the interpreter guards off. Skipped before anything runs where the host lacks a layer the
-    test relies on: without it the code would meet no defence at all."""
-    if not needs <= layers:
-        pytest.skip(f"this host does not provide {sorted(needs - layers)}: {sorted(layers)}")
-    result = run_sandboxed(source, interpreter_guards=False, **limits)
-    assert needs <= set(result.isolation), result.isolation
-    return result
-
-
-def test_network_namespace_alone_blocks_the_host_and_the_internet(host):
-    source = textwrap.dedent(f"""
-        import socket
-        for address in [("127.0.0.1", {host.port}), ("1.1.1.1", 53)]:
-            try:
-                socket.create_connection(address, timeout=1)
-            except OSError as error:
-                print(error.errno)
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            s.sendto(b"x", ("127.0.0.1", {host.udp_port}))
-        except OSError as error:
-            print(error.errno)
-        """)
-    result = kernel_only(host.layers, {"netns"}, source)
-    assert result.stdout.split() == ["101", "101", "101"], result.stderr  # ENETUNREACH: no route, even to 127.0.0.1
-    host.assert_untouched([result])
-
-
-def test_pid_namespace_alone_kills_processes_that_left_the_group(layers):
-    source = textwrap.dedent(f"""
-        import os, time
-        os.setsid()
-        if os.fork() == 0:
-            os.setsid()
-            if os.fork() == 0:
-                os.execv("/bin/sleep", ["{MARKER}", "1000"])
-            os._exit(0)
-        time.sleep(0.3)
-        print("escaped", flush=True)
-        time.sleep(1000)
-        """)
-    start = time.monotonic()
-    result = kernel_only(layers, {"pidns"}, source, timeout_s=1.5)
-    assert result.stdout == "escaped\n" and result.killed == "timeout", result.stderr
-    assert time.monotonic() - start < 1.5 + SLACK_S
-    assert_cleaned_up(result)
-
-
-def test_mount_namespace_alone_makes_the_host_read_only_and_hides_its_processes(host):
-    source = textwrap.dedent(f"""
-        import os
-        print(sorted(pid for pid in os.listdir("/proc") if pid.isdigit()))
-        for path in ["{host.in_tmp}", "/dev/shm/{MARKER}", os.path.expanduser("~/../{MARKER}")]:
-            try:
-                open(path, "w")
-                print("allowed")
-            except OSError as error:
-                print(error.errno)
-        open("inside.txt", "w").write("fine")
-        print(open("inside.txt").read())
-        """)
-    result = kernel_only(host.layers, {"readonly_root", "private_proc"}, source)
-    assert result.stdout.splitlines() == ["['1']", "30", "30", "30", "fine"], result.stderr  # 30: EROFS
-    assert not Path(f"/dev/shm/{MARKER}").exists()
-    host.assert_untouched([result])
-
-
-def test_rlimit_nproc_alone_stops_a_fork_bomb(layers):
-    # Bounded (at most 200 sleeping children) even if the limit failed, so that this test can never hurt the host.
-    source = textwrap.dedent("""
-        import os, time
-        children = 0
-        for _ in range(200):
-            try:
-                pid = os.fork()
-            except OSError as error:
-                print("refused", children, error.errno, flush=True)
-                break
-            if pid == 0:
-                time.sleep(1000)
-                os._exit(0)
-            children += 1
-        """)
-    result = kernel_only(layers, {"rlimit_nproc"}, source, max_processes=8)
-    refused, children, errno = result.stdout.split()
-    assert refused == "refused" and int(children) < 8 and errno == "11", result.stderr  # EAGAIN
-    assert_cleaned_up(result)
-
-
-def test_dropped_uid_alone_protects_host_files_processes_and_environment(host):
-    source = textwrap.dedent(f"""
-        import os, signal
-        attempts = {{
-            "write": lambda: open("{host.outside}", "w"),
-            "delete": lambda: os.remove("{host.sentinel}"),
-            "chmod": lambda: os.chmod("{host.keep}", 0o777),
-            "environ": lambda: open("/proc/{os.getpid()}/environ", "rb").read(),
-            "signal": lambda: os.kill({os.getpid()}, signal.SIGUSR1),
-        }}
-        for name, attempt in attempts.items():
-            try:
-                attempt()
-                print(name, "allowed")
-            except OSError as error:
-                print(name, "refused", error.errno)
-        """)
-    result = kernel_only(host.layers, {"uid:65534"}, source)
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert set(lines) == {"write", "delete", "chmod", "environ", "signal"}, result.stderr
-    assert all(outcome.startswith("refused") for outcome in lines.values()), lines
-    host.assert_untouched([result])
-
-
-def test_interpreter_guards_alone_refuse_processes_network_and_outside_writes(host):
-    # Runs without the kernel layers, i.e. as the test's own user: every attempt is harmless if a guard failed.
-    source = textwrap.dedent(f"""
-        import os, shutil, signal, socket, subprocess
-        attempts = {{
-            "fork": lambda: os.fork() == 0 and os._exit(0),
-            "subprocess": lambda: subprocess.run(["/bin/true"]),
-            "system": lambda: os.system("true"),
-            "setsid": os.setsid,
-            "kill": lambda: os.kill({os.getpid()}, signal.SIGUSR1),
-            "connect": lambda: socket.create_connection(("127.0.0.1", {host.port}), timeout=1),
-            "dns": lambda: socket.getaddrinfo("localhost", 80),
-            "write": lambda: open("{host.outside}", "w"),
-            "write-tmp": lambda: os.open("{host.in_tmp}", os.O_WRONLY | os.O_CREAT),
-            "delete": lambda: os.remove("{host.sentinel}"),
-            "rmtree": lambda: shutil.rmtree("{host.keep}"),
-            "rename": lambda: os.rename("{host.sentinel}", "x"),
-            "inside": lambda: open("inside.txt", "w").close() or os.remove("inside.txt") or 1 / 0,
-        }}
-        for name, attempt in attempts.items():
-            try:
-                attempt()
-                print(name, "allowed")
-            except PermissionError:
-                print(name, "refused")
-            except Exception as error:
-                print(name, type(error).__name__)
-        """)
-    result = run_sandboxed(source, kernel_isolation=False)
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    expected = dict.fromkeys(lines, "refused") | {"inside": "ZeroDivisionError"}  # writing inside is fine
-    assert len(lines) == 13 and lines == expected, (lines, result.stderr)
-    host.assert_untouched([result])
