@@ -21,7 +21,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo claims eval load test test-fast bench venv clean
+.PHONY: demo claims eval load test test-fast bench bench-sandbox venv clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_decode.py --json runs/bench_decode.json
+
+# Code verifications per second through the sandbox (trivial, stdin/stdout, looping and hung solutions at 1 and 2
+# workers), about 90 seconds. Asserts nothing.
+bench-sandbox: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/bench_sandbox.py --json runs/bench_sandbox.json
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests/unit
