@@ -36,12 +36,11 @@ def blocked_directories(paths: list[str]) -> dict[str, set[str]]:
     blocked: dict[str, set[str]] = defaultdict(set)
     for path in paths:
         parts = Path(os.path.realpath(path)).parts
-        for depth in range(1, len(parts) - 1):
+        for depth in range(1, len(parts)):
             directory = os.path.join(*parts[:depth])
             if not os.stat(directory).st_mode & stat.S_IXOTH:
                 blocked[directory].add(parts[depth])
-                break  # one level: what lies under the bound entry keeps its own permissions
-    return blocked
+    return blocked  # covered outermost first (a parent's path sorts first), so nested ones are reached in turn
 
 
 def run_as_fresh_user(argv: list[str], *, cwd: str, needs: list[str], timeout_s: float,
