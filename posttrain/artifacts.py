@@ -1,4 +1,4 @@
-"""The artifact contract (DESIGN.md): `runs/<run>/<NN-stage>/` holds `model/` and a `manifest.json` written last.
+"""The artifact contract: `runs/<run>/<NN-stage>/` holds `model/` and a `manifest.json` written last.
 
 A directory without a manifest is not an artifact and is never read as one. The manifest records the weight
 files' sha256, so loading an artifact checks that the weights are the ones the stage wrote.

@@ -4,7 +4,7 @@ Every generator takes a `random.Random` and returns plain dicts, so the same see
 machine. Held-out splits are made by drawing candidates and routing each to "train" or "test" by a hash of its
 prompt: a prompt lands in exactly one split, whatever the counts asked for.
 
-Families (DESIGN.md, "The tiny world"):
+Families:
 - plain text: the base model's pretraining bootstrap; no chat tokens, no instructions, so the base only continues text;
 - echo / follow: "Return the following message <start> ... <end>" and sibling instructions;
 - arithmetic with worked steps inside <think>, some of which may slip (as human demonstrations do);

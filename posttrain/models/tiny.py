@@ -6,7 +6,7 @@ every `decoder_sparse_step`-th layer, trained with the router's load-balancing l
 The tokenizer carries Qwen3-style control tokens. `<|endoftext|>`, `<|im_start|>` and `<|im_end|>` are special;
 `<think>`, `</think>`, `<tool_call>`, ... are added tokens that are *not* special, as in real Qwen3 tokenizers:
 TRL decodes completions with `skip_special_tokens=True` before rewards see them, and a special `</think>` would
-vanish from the text a verifier splits on (MACHINE_NOTES.md, tiny-world trials).
+vanish from the text a verifier splits on.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ random Qwen3."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 
 import pytest
@@ -319,8 +318,6 @@ def test_quantize_model_bad_arguments(tiny_qwen3):
         quantize_model(nn.Linear(4, 4), "rtn", "int8")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("posttrain.quant.awq") is None,
-                    reason="posttrain/quant/awq.py is not written yet")
 def test_quantize_model_awq_delegates(tiny_qwen3):
     model = copy.deepcopy(tiny_qwen3)
     calib_ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(3))
