@@ -1,27 +1,71 @@
 """The artifact contract: `runs/<run>/<NN-stage>/` holds `model/` and a `manifest.json` written last.
 
 A directory without a manifest is not an artifact and is never read as one. The manifest records the weight
-files' sha256, so loading an artifact checks that the weights are the ones the stage wrote.
+files' sha256, so loading an artifact checks that the weights are the ones the stage wrote. While a stage runs,
+its directory has one owner (`own_stage_dir`): a second run started on it stops before writing anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import socket
 import subprocess
+import sys
 import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+OWNER = "owner.lock"  # who is running the stage now: host, pid, command, start time (empty when no one is)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "hydra-core", "posttrain")
 
 
 class ArtifactError(RuntimeError):
     """An artifact is missing, incomplete or does not match its manifest; the message names the file."""
+
+
+class StageBusyError(ArtifactError):
+    """Another process is running this stage in the same directory; the message names it."""
+
+
+@contextlib.contextmanager
+def own_stage_dir(stage_dir: Path):
+    """Hold `stage_dir` for this process while its stage runs; StageBusyError, naming the owner, if another holds it.
+
+    The hold is an flock on `owner.lock`, which the kernel releases when its process dies, however it dies: a lock
+    left by a dead process never blocks a rerun (the rerun reports whose it was and takes it over). The ranks of one
+    `accelerate launch` run inside their parent's hold; under a bare torchrun, rank 0 holds it for all.
+    """
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    path = stage_dir / OWNER
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not written its name yet"
+            raise StageBusyError(f"{stage_dir} is in use by another run ({owner}); wait for it to finish or stop it, "
+                                 f"or give this run another run.name") from None
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        if previous:
+            logging.getLogger("posttrain").warning("%s: taking over from a run that ended without releasing it (%s)",
+                                                   stage_dir, previous)
+        me = f"host {socket.gethostname()}, pid {os.getpid()}, since {now()}: {' '.join(sys.argv)[:300]}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # released: the file stays (removing it would race with a run opening it)
+    finally:
+        os.close(fd)
 
 
 def now() -> str:

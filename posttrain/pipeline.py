@@ -8,11 +8,13 @@ base -> sft -> reward_model -> grpo -> dpo trains GRPO on the SFT model and hand
 input; DPO then starts from (and is regularized towards) the GRPO model.
 
 `pipeline.launcher` other than single runs each training stage under `accelerate launch` with that config
-(posttrain.launch); the skip check and the hand-off between stages stay here, in the parent process.
+(posttrain.launch); the skip check and the hand-off between stages stay here, in the parent process, which holds
+each stage's directory (posttrain.artifacts.own_stage_dir) while the stage runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -22,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from posttrain import tracking, training
-from posttrain.artifacts import manifest_sha256, read_manifest, verify_artifact
+from posttrain.artifacts import manifest_sha256, own_stage_dir, read_manifest, verify_artifact
 from posttrain.config import stage_view
 from posttrain.training import StageRun, stage_hash
 
@@ -69,9 +71,16 @@ def stage_run(cfg, name: str, index: int, parent: Path | None, run_dir: Path, ru
 
 def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
               inputs: dict[str, Path] | None = None) -> Path:
+    run = stage_run(cfg, name, index, parent, run_dir, run_name, inputs)
+    owner = own_stage_dir(run.out_dir) if training.is_main_process() else contextlib.nullcontext()
+    with owner:
+        return _run_owned_stage(cfg, run, run_dir)
+
+
+def _run_owned_stage(cfg, run: StageRun, run_dir: Path) -> Path:
     from posttrain.launch import launcher_for
 
-    run = stage_run(cfg, name, index, parent, run_dir, run_name, inputs)
+    name = run.name
     manifest = read_manifest(run.out_dir)
     if manifest is not None and manifest.get("config_hash") == run.config_hash:
         verify_artifact(run.out_dir)

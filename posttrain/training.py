@@ -9,6 +9,7 @@ together so no rank reads a half-written artifact in the next stage.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -169,7 +170,6 @@ def last_checkpoint(run: StageRun) -> str | None:
     transformers writes trainer_state.json last in a checkpoint, so a checkpoint without a readable one was cut
     short by a kill; its own `get_last_checkpoint` would pick it by number alone and resume would crash.
     """
-    import json
     import re
 
     if not run.checkpoints.is_dir():
@@ -187,6 +187,27 @@ def last_checkpoint(run: StageRun) -> str | None:
             continue
         return str(path)
     return None
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The global step a `checkpoint-<N>` directory was saved at."""
+    return int(str(checkpoint).rstrip("/").rsplit("-", 1)[-1])
+
+
+def cut_step_rows(path: Path, step: int) -> int:
+    """Cut a per-step JSONL log (rows with a "step") back to before `step`, atomically; returns the rows dropped.
+
+    A stage resumed from checkpoint-N redoes step N onward; what the killed attempt wrote for those steps would
+    otherwise be there twice.
+    """
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and (json.loads(line).get("step") or 0) < step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: int):

@@ -230,8 +230,11 @@ def main(cfg, run: StageRun) -> dict:
     funcs = build_rewards(cfg, run)
     table_path = run.out_dir / COMPLETIONS
     resume = training.last_checkpoint(run)
-    if not resume and training.is_main_process():
-        table_path.unlink(missing_ok=True)  # a fresh start owns the table; a resumed one appends to it
+    if training.is_main_process():
+        if not resume:
+            table_path.unlink(missing_ok=True)  # a fresh start owns the table
+        elif dropped := training.cut_step_rows(table_path, training.checkpoint_step(resume)):
+            log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
     log.info("grpo: %d prompts x %d generations; rewards %s", len(rows), args.num_generations,
@@ -255,7 +258,7 @@ def main(cfg, run: StageRun) -> dict:
     timer.attach(trainer)
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
-    step_seconds = timer.per_step(trainer.state.global_step - (int(resume.rsplit("-", 1)[-1]) if resume else 0),
+    step_seconds = timer.per_step(trainer.state.global_step - (training.checkpoint_step(resume) if resume else 0),
                                   time.perf_counter() - started)
     log.info("grpo: seconds per step: %s", ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
 

@@ -182,3 +182,65 @@ def test_bad_pku_row_stops_the_reward_model_stage_naming_the_row(pretrained, tmp
     assert result.returncode == 2
     assert f"{bad}: row 3: field 'safer_response_id' must be 0 or 1, got '1'" in result.stderr
     assert not list(tmp_path.glob("b/*/manifest.json"))
+
+
+def kill_group(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def test_grpo_killed_after_a_checkpoint_resumes_with_every_steps_completions_once(pretrained, tmp_path):
+    args = ("stage=grpo", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=r", "grpo.prompts.n=32",
+            "grpo.trainer.max_steps=6", "grpo.trainer.save_steps=2", "grpo.trainer.per_device_train_batch_size=8",
+            "grpo.trainer.num_generations=4", "grpo.trainer.max_completion_length=8")
+    stage_dir = tmp_path / "r" / "01-grpo"
+    table = stage_dir / "completions.jsonl"
+
+    def steps() -> list[int]:
+        return [json.loads(line)["step"] for line in table.read_text().splitlines()] if table.exists() else []
+
+    proc = popen(*args, log=tmp_path / "first.log")
+    try:
+        deadline, checkpoint = time.monotonic() + 600, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = [p for p in (stage_dir / "checkpoints").glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+            checkpoint = max((int(p.name.split("-")[1]) for p in done), default=None)
+            if checkpoint is not None and max(steps(), default=-1) >= checkpoint:
+                break  # the step after the checkpoint has scored its completions: kill now
+            time.sleep(0.05)
+        assert proc.poll() is None, "GRPO ended before it could be killed:\n" + (tmp_path / "first.log").read_text()[-2000:]
+    finally:
+        kill_group(proc)
+    written = steps()
+    assert max(written) >= checkpoint  # the killed attempt left completions for a step it will redo
+
+    result = posttrain(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"grpo: resuming from {stage_dir / 'checkpoints'}" in result.stderr
+    assert "completions the killed attempt scored after" in result.stderr
+    counts = {step: steps().count(step) for step in set(steps())}
+    assert counts == dict.fromkeys(range(6), 8), counts  # 8 completions a step (2 prompts x 4), each step once
+
+
+def test_a_second_run_on_a_busy_stage_directory_stops_naming_the_owner(pretrained, tmp_path):
+    # Long enough (about a minute) that the second run, which takes seconds to start, meets the first one running.
+    args = ("stage=sft", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=dup", "sft.trainer.max_steps=150",
+            "sft.trainer.save_steps=50")
+    stage_dir = tmp_path / "dup" / "01-sft"
+    owner = stage_dir / "owner.lock"
+    first = popen(*args, log=tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None and not (owner.exists() and owner.read_text()):
+            time.sleep(0.05)
+        assert f"pid {first.pid}" in owner.read_text()
+        second = posttrain(*args, "sft.trainer.learning_rate=1e-2", timeout=300)
+        assert first.poll() is None, "the first run ended before the second one started: nothing was tested"
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"{stage_dir} is in use by another run (host " in second.stderr and f"pid {first.pid}," in second.stderr
+        assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        kill_group(first)
+    manifest = verify_artifact(stage_dir)  # the first run's artifact, whole
+    assert manifest["metrics"]["global_step"] == 150 and owner.read_text() == ""  # released at the end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -86,3 +87,30 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
         if state is not None:
             (ckpt / "trainer_state.json").write_text(state)
     assert last_checkpoint(run) == str(tmp_path / "checkpoints" / "checkpoint-8")
+
+
+def test_a_stage_directory_has_one_owner_at_a_time(tmp_path, caplog):
+    from posttrain.artifacts import OWNER, StageBusyError, own_stage_dir
+
+    stage = tmp_path / "01-sft"
+    with own_stage_dir(stage):
+        assert f"pid {os.getpid()}" in (stage / OWNER).read_text()
+        with pytest.raises(StageBusyError, match=rf"01-sft is in use by another run \(host .*, pid {os.getpid()},"):
+            with own_stage_dir(stage):
+                pass
+    assert (stage / OWNER).read_text() == ""  # released
+    (stage / OWNER).write_text("host h, pid 999999, since then: posttrain run")  # a run killed before releasing
+    with caplog.at_level("WARNING", logger="posttrain"), own_stage_dir(stage):
+        assert f"pid {os.getpid()}" in (stage / OWNER).read_text()
+    assert "taking over from a run that ended without releasing it (host h, pid 999999" in caplog.text
+
+
+def test_a_resumed_stage_cuts_its_step_log_back_to_the_checkpoint(tmp_path):
+    from posttrain.training import checkpoint_step, cut_step_rows
+
+    log = tmp_path / "completions.jsonl"
+    log.write_text("".join(json.dumps({"step": step, "i": i}) + "\n" for step in range(5) for i in range(2)))
+    assert checkpoint_step(str(tmp_path / "checkpoints" / "checkpoint-3")) == 3
+    assert cut_step_rows(log, 3) == 4
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 0, 1, 1, 2, 2]
+    assert cut_step_rows(tmp_path / "missing.jsonl", 3) == 0
