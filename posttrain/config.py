@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,11 +251,19 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
         key, _, value = item.partition("=")
         if key == "model" and value and not (RECIPES_DIR / "model" / f"{value}.yaml").exists():
             out += ["model=hf", f"model.name_or_path={value}", f"model.name={value.rstrip('/').split('/')[-1]}"]
-        elif key in OPTIONAL_KEYS:
-            out.append(f"++{item}")  # set it whether or not the pipeline recipe has the key (Hydra needs ++ for that)
+        elif key in OPTIONAL_KEYS or _is_trainer_key(key):
+            # Set it whether or not the recipe has the key (Hydra needs ++ for that): every field of a stage's TRL
+            # config class is a valid knob, checked by name and type in `validate`.
+            out.append(f"++{item}")
         else:
             out.append(item)
     return out
+
+
+def _is_trainer_key(key: str) -> bool:
+    """`<stage>.trainer.<field>` written without a +/~ prefix."""
+    parts = key.split(".")
+    return len(parts) == 3 and parts[0] in TRAINER_CLASSES and parts[1] == "trainer" and parts[2].isidentifier()
 
 
 def compose(overrides: list[str] | None = None) -> DictConfig:
@@ -273,7 +285,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
     with_hydra.pop("hydra")
     with_hydra["overrides"] = given  # a launched stage composes its config again from these (posttrain.launch)
-    return validate(OmegaConf.create(with_hydra), choices, overrides)
+    return validate(OmegaConf.create(with_hydra), choices, given)  # key_source names what the user typed
 
 
 def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> DictConfig:
@@ -288,6 +300,7 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
         raise RecipeError(_key_message(key, leaf, valid, choices, overrides, str(err).splitlines()[0])) from None
     for stage, class_name in TRAINER_CLASSES.items():
         _check_fields(cfg[stage].trainer, f"{stage}.trainer", trl_fields(class_name), choices, overrides)
+        _check_types(cfg[stage].trainer, f"{stage}.trainer", class_name, choices, overrides)
         if cfg[stage].lora is not None:
             _check_fields(cfg[stage].lora, f"{stage}.lora", lora_fields(), choices, overrides)
     for key, valid in OPTION_VALUES.items():
@@ -309,6 +322,66 @@ def trl_fields(class_name: str) -> list[str]:
     import trl
 
     return [f.name for f in dataclasses.fields(getattr(trl, class_name)) if f.init]
+
+
+@functools.cache
+def trl_field_types(class_name: str) -> dict[str, Any]:
+    import trl
+
+    return typing.get_type_hints(getattr(trl, class_name))
+
+
+def _check_types(block, prefix: str, class_name: str, choices, overrides) -> None:
+    """Each value of a trainer block against its field's type in TRL's config class: a value the class would take
+    now and fail on later (a string for a learning rate) stops the run before any stage starts."""
+    types = trl_field_types(class_name)
+    for key, value in OmegaConf.to_container(block, resolve=True).items():
+        if key in types and not _fits(value, types[key]):
+            full = f"{prefix}.{key}"
+            raise RecipeError(f"recipe key '{full}' in {key_source(full, choices, overrides)} is {value!r}; expected "
+                              f"{_describe(types[key])} (the type of {class_name}.{key})")
+
+
+def _fits(value, hint) -> bool:
+    """Whether `value` is acceptable for a field annotated `hint`; annotations it does not understand accept all."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:  # TRL passes the value on as it is: a string here would fail only when the optimizer starts
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, hint) or value in {member.value for member in hint}
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value) if args else isinstance(value, (list, tuple))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _describe(hint) -> str:
+    """A type annotation as a reader would say it: `float`, `int or None`, `one of 'a', 'b'`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(member.value) for member in hint)
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def lora_fields() -> list[str]:

@@ -101,3 +101,26 @@ def test_pipelines_compose(pipeline):
 def test_closed_option_values_fail_at_start_up_naming_the_key(overrides, key):
     with pytest.raises(RecipeError, match=rf"recipe key '{key}' in command-line override .* valid values: "):
         compose(overrides)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("grpo.trainer.learning_rate=abc", "'grpo.trainer.learning_rate' in command-line override "
+                                       "'grpo.trainer.learning_rate=abc' is 'abc'; expected float"),
+    ("grpo.trainer.bf16=maybe", "'grpo.trainer.bf16' in command-line override 'grpo.trainer.bf16=maybe' is 'maybe'; "
+                                "expected bool or None (the type of GRPOConfig.bf16)"),
+    ("sft.trainer.max_steps=2.5", "'sft.trainer.max_steps' in command-line override 'sft.trainer.max_steps=2.5' is "
+                                  "2.5; expected int (the type of SFTConfig.max_steps)"),
+])
+def test_trainer_values_are_checked_against_the_trl_field_types_at_start_up(override, expected):
+    with pytest.raises(RecipeError) as error:
+        compose(["pipeline=tiny", override])
+    assert expected in str(error.value)
+
+
+def test_any_trl_field_is_a_valid_override_without_plus_and_misspellings_get_close_matches():
+    cfg = compose(["pipeline=tiny", "grpo.trainer.num_iterations=4", "dpo.trainer.learning_rate=1e-4"])
+    assert cfg.grpo.trainer.num_iterations == 4 and cfg.dpo.trainer.learning_rate == 1e-4
+    with pytest.raises(RecipeError, match=r"'sft.trainer.learnin_rate' in command-line override "
+                                          r"'sft.trainer.learnin_rate=1e-3' \(not a field of this block\)\. "
+                                          r"Did you mean 'learning_rate'"):
+        compose(["pipeline=tiny", "sft.trainer.learnin_rate=1e-3"])
