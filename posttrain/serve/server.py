@@ -101,6 +101,9 @@ def resolve_model(location: str) -> tuple[str, str]:
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{location}: neither a pipeline artifact (model/ + manifest.json) nor a model "
                                 f"directory (config.json)")
+    from posttrain.models.loading import check_model_reachable
+
+    check_model_reachable(location)
     return location, path.name if path.exists() else location
 
 

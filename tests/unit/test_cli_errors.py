@@ -1,0 +1,38 @@
+"""A model that cannot be loaded stops `run`, `stage` and `serve` in one line naming it, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.models.loading import check_model_reachable
+from tests.helpers import posttrain
+
+
+@pytest.mark.parametrize("argv", [
+    ("stage=sft", "model=/nonexistent/model", "data=tiny"),
+    ("run", "pipeline=smollm2", "model=/nonexistent/model"),
+    ("serve", "/nonexistent/model"),
+])
+def test_a_missing_model_path_is_one_line_naming_it(argv, tmp_path):
+    result = posttrain(*argv, f"run.root={tmp_path}" if argv[0] != "serve" else "port=0", timeout=120)
+    assert result.returncode == 2
+    assert "model /nonexistent/model: no such file or directory" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())
+
+
+def test_model_reachability(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="a directory without config.json"):
+        check_model_reachable(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    check_model_reachable(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="runs/x/model: no such file or directory"):
+        check_model_reachable("runs/x/model")
+    with pytest.raises(FileNotFoundError, match="neither an existing local path nor a hub id"):
+        check_model_reachable("not a hub id!")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match=r"posttrain-test/absent: not a local path, and not in the Hugging "
+                                                r"Face cache .*HF_HUB_OFFLINE=1"):
+        check_model_reachable("posttrain-test/absent")
