@@ -7,13 +7,8 @@ recipe file it came from and the keys that are valid there (with a close match w
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import enum
-import functools
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from posttrain.config_fields import describe, fits, lora_fields, trl_field_types, trl_fields
 from posttrain.models.tiny import TinyArch
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
@@ -318,76 +314,15 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
     return cfg
 
 
-def trl_fields(class_name: str) -> list[str]:
-    import trl
-
-    return [f.name for f in dataclasses.fields(getattr(trl, class_name)) if f.init]
-
-
-@functools.cache
-def trl_field_types(class_name: str) -> dict[str, Any]:
-    import trl
-
-    return typing.get_type_hints(getattr(trl, class_name))
-
-
 def _check_types(block, prefix: str, class_name: str, choices, overrides) -> None:
     """Each value of a trainer block against its field's type in TRL's config class: a value the class would take
     now and fail on later (a string for a learning rate) stops the run before any stage starts."""
-    types = trl_field_types(class_name)
+    field_types = trl_field_types(class_name)
     for key, value in OmegaConf.to_container(block, resolve=True).items():
-        if key in types and not _fits(value, types[key]):
+        if key in field_types and not fits(value, field_types[key]):
             full = f"{prefix}.{key}"
             raise RecipeError(f"recipe key '{full}' in {key_source(full, choices, overrides)} is {value!r}; expected "
-                              f"{_describe(types[key])} (the type of {class_name}.{key})")
-
-
-def _fits(value, hint) -> bool:
-    """Whether `value` is acceptable for a field annotated `hint`; annotations it does not understand accept all."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arg) for arg in args)
-    if hint is type(None):
-        return value is None
-    if origin is typing.Literal:
-        return value in args
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:  # TRL passes the value on as it is: a string here would fail only when the optimizer starts
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return isinstance(value, hint) or value in {member.value for member in hint}
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value) if args else isinstance(value, (list, tuple))
-    if origin is dict or hint is dict:
-        return isinstance(value, dict)
-    return True
-
-
-def _describe(hint) -> str:
-    """A type annotation as a reader would say it: `float`, `int or None`, `one of 'a', 'b'`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in args)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(arg) for arg in args)
-    if hint is type(None):
-        return "None"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return "one of " + ", ".join(repr(member.value) for member in hint)
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
-def lora_fields() -> list[str]:
-    from peft import LoraConfig
-
-    return [f.name for f in dataclasses.fields(LoraConfig) if f.init]
+                              f"{describe(field_types[key])} (the type of {class_name}.{key})")
 
 
 def _check_fields(block, prefix: str, valid: list[str], choices, overrides) -> None:

@@ -3,7 +3,8 @@
 Layers, outermost first. The kernel enforces the first two groups; the last is a guard inside the child's own
 interpreter, which code in that interpreter can get around, so it is defence in depth and nothing more.
 `SandboxResult.isolation` names the layers that were in force for a run, as the child reported them (on a pipe it
-closes) before the untrusted code started.
+closes) before the untrusted code started. The child's side is rewards.sandbox_child (its root: rewards.sandbox_root);
+the parent's process plumbing is rewards.sandbox_process.
 
 Kernel-enforced, always:
   * a fresh session and process group (`start_new_session`); at the end of every run, whether the code exited,
@@ -58,21 +59,19 @@ file, network and process mischief.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
 import os
-import selectors
-import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
+
+from rewards.sandbox_process import end_group, pump, remove_tree, signal_name
 
 # The unprivileged user the code runs as when the parent is root (uid and gid of `nobody` on Debian and Red Hat).
 SANDBOX_UID = 65534
@@ -140,9 +139,8 @@ def run_sandboxed(
 ) -> SandboxResult:
     """Run Python `source` in a fresh, limited, isolated child interpreter (standard library only) and clean up.
 
-    `stdin` is what the program reads from its standard input. `cpu_s` defaults to `timeout_s` rounded up; `tmp_mb`
-    sizes the private /tmp. `kernel_isolation=False` skips namespaces and the uid drop and
-    `interpreter_guards=False` skips the guards; both exist so that tests can check each layer on its own.
+    `stdin`: the program's input. `cpu_s` defaults to `timeout_s` rounded up; `tmp_mb` sizes the private /tmp.
+    `kernel_isolation=False` (no namespaces, no uid drop) and `interpreter_guards=False` let tests check each layer.
 
     >>> result = run_sandboxed("print(6 * 7)")
     >>> result.returncode, result.stdout, result.killed
@@ -154,48 +152,20 @@ def run_sandboxed(
     drop = kernel_isolation and hasattr(os, "geteuid") and os.geteuid() == 0
     if drop:
         _check_readable_by_others(interpreter)
-    outer = tempfile.mkdtemp(prefix="posttrain-sandbox-")
-    workdir = os.path.join(outer, "work")
-    os.mkdir(workdir, 0o700)
-    os.mkdir(os.path.join(outer, "root"), 0o700)  # where the child mounts its own root
-    if drop:
-        # The parent directory stays root's: `nobody` cannot rename its working directory away and leave a
-        # symlink in its place for the cleanup to follow.
-        os.chmod(outer, 0o711)
-        os.chown(workdir, SANDBOX_UID, SANDBOX_GID)
+    outer, workdir = _make_directories(drop)
     info_r, info_w = os.pipe()
     config = {
-        "info_fd": info_w,
-        "kernel": kernel_isolation,
-        "guards": interpreter_guards,
-        "drop": drop,
-        "uid": SANDBOX_UID,
-        "gid": SANDBOX_GID,
-        "root_dir": os.path.join(outer, "root"),
-        "tmp_mb": tmp_mb,
-        "cpu_s": cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s)),
-        "memory_mb": memory_mb,
-        "max_file_mb": max_file_mb,
-        "max_open_files": max_open_files,
-        "max_processes": max_processes,
+        "info_fd": info_w, "kernel": kernel_isolation, "guards": interpreter_guards, "drop": drop,
+        "uid": SANDBOX_UID, "gid": SANDBOX_GID, "root_dir": os.path.join(outer, "root"), "tmp_mb": tmp_mb,
+        "cpu_s": cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s)), "memory_mb": memory_mb,
+        "max_file_mb": max_file_mb, "max_open_files": max_open_files, "max_processes": max_processes,
     }
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
     start = time.monotonic()
     try:
-        # No preexec_fn: it is unsafe in a threaded parent (trainers are); the child limits itself before anything else.
-        proc = subprocess.Popen(
-            [interpreter, "-I", "-S", "-B", "-c", f"{_bootstrap_source()}\n_child_main({config!r})\n"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-            pass_fds=(info_w,),
-        )
+        proc = _start_child(interpreter, config, workdir)
     except BaseException:
         os.close(info_r)
-        _remove_tree(outer)
+        remove_tree(outer)
         raise
     finally:
         os.close(info_w)
@@ -204,22 +174,22 @@ def run_sandboxed(
     try:
         program = source.encode("utf-8", "surrogatepass")
         data = b"%d\n" % len(program) + program + stdin  # the child reads exactly the program; the rest is its input
-        killed = _pump(proc, data, info_r, output, start + timeout_s, max_output_bytes)
+        killed = pump(proc, data, info_r, output, start + timeout_s, max_output_bytes)
     finally:
         info = _parse_info(bytes(output["info"]))
         try:
-            cpu_time_s = _end_group(proc, info.get("pid"))
+            cpu_time_s = end_group(proc, info.get("pid"))
         finally:
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None and not stream.closed:
                     stream.close()
             os.close(info_r)
-            _remove_tree(outer)
+            remove_tree(outer)
     if kernel_isolation and not info.get("layers") and (error := _bootstrap_error(output["stderr"])):
         raise RuntimeError(f"the code sandbox could not start on this host: {error}")
     if killed is None and proc.returncode < 0:
         cpu_limited = -proc.returncode in (signal.SIGKILL, signal.SIGXCPU) and cpu_time_s >= config["cpu_s"] - 0.05
-        killed = "cpu limit" if cpu_limited else _signal_name(-proc.returncode)
+        killed = "cpu limit" if cpu_limited else signal_name(-proc.returncode)
     return SandboxResult(
         returncode=proc.returncode,
         stdout=bytes(output["stdout"][:max_output_bytes]).decode("utf-8", "replace"),
@@ -234,146 +204,29 @@ def run_sandboxed(
     )
 
 
-def _pump(proc: subprocess.Popen, data: bytes, info_fd: int, output: dict, deadline: float, cap: int) -> str | None:
-    """Feed stdin and collect stdout, stderr and the child's report until the leader exits.
-
-    Returns why the run must be stopped early ("timeout", "output limit"), or None when the leader exited by itself.
-    Never blocks past the deadline, whatever the child does with its pipes.
-    """
-    names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", info_fd: "info"}
-    stdin_fd = proc.stdin.fileno()
-    exit_fd = _pidfd(proc.pid)
-    pending = memoryview(data)
-    with selectors.DefaultSelector() as selector:
-        for fd in (*names, stdin_fd):
-            os.set_blocking(fd, False)
-        for fd in names:
-            selector.register(fd, selectors.EVENT_READ)
-        selector.register(stdin_fd, selectors.EVENT_WRITE)
-        if exit_fd is not None:
-            selector.register(exit_fd, selectors.EVENT_READ)
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return "timeout"
-                # Without a pidfd the leader's exit is only seen by polling: grandchildren may hold the pipes open.
-                events = selector.select(remaining if exit_fd is not None else min(remaining, 0.01))
-                exited = exit_fd is None and _leader_exited(proc)
-                for key, _ in events:
-                    if key.fd == exit_fd:
-                        exited = True
-                    elif key.fd == stdin_fd:
-                        try:
-                            pending = pending[os.write(stdin_fd, pending[: 1 << 16]) :]
-                        except BlockingIOError:
-                            continue
-                        except OSError:  # the child closed its stdin or died: nothing more to send
-                            pending = pending[:0]
-                        if not pending:
-                            selector.unregister(stdin_fd)
-                            proc.stdin.close()
-                    else:
-                        name = names[key.fd]
-                        if _read_into(key.fd, output[name], selector) and name != "info" and len(output[name]) > cap:
-                            return "output limit"
-                if exited:
-                    # What is still buffered in the pipes belongs to the run; a grandchild still writing does not.
-                    for fd, name in names.items():
-                        if fd in selector.get_map():
-                            while _read_into(fd, output[name], selector):
-                                if name != "info" and len(output[name]) > cap:
-                                    return "output limit"
-                    return None
-        finally:
-            if exit_fd is not None:
-                os.close(exit_fd)
+def _make_directories(drop: bool) -> tuple[str, str]:
+    """A run's directory: the working directory the code may write, and the mount point of the child's own root."""
+    outer = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+    workdir = os.path.join(outer, "work")
+    os.mkdir(workdir, 0o700)
+    os.mkdir(os.path.join(outer, "root"), 0o700)
+    if drop:
+        # The parent directory stays root's: `nobody` cannot rename its working directory away and leave a
+        # symlink in its place for the cleanup to follow.
+        os.chmod(outer, 0o711)
+        os.chown(workdir, SANDBOX_UID, SANDBOX_GID)
+    return outer, workdir
 
 
-def _read_into(fd: int, buffer: bytearray, selector: selectors.BaseSelector) -> bool:
-    """Append what `fd` has now to `buffer`; False when nothing was read (nothing ready, or end of file)."""
-    try:
-        chunk = os.read(fd, 1 << 16)
-    except BlockingIOError:
-        return False
-    if not chunk:
-        selector.unregister(fd)
-        return False
-    buffer += chunk
-    return True
-
-
-def _pidfd(pid: int) -> int | None:
-    """A descriptor that becomes readable when `pid` exits (Linux 5.3+), or None where there is none."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
-
-
-def _leader_exited(proc: subprocess.Popen) -> bool:
-    """Whether the leader has exited, without reaping it: while it is an unreaped zombie its pid (the group id)
-    cannot be reused, so signalling the group stays safe."""
-    if proc.returncode is not None:
-        return True
-    if hasattr(os, "waitid"):
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    return proc.poll() is not None
-
-
-def _end_group(proc: subprocess.Popen, init_pid: int | None) -> float:
-    """Kill everything the run started, reap the leader, and return once no process of the group is alive.
-
-    Returns the CPU seconds the run used: the leader's, with those of every descendant it reaped (the namespace's
-    init, which reaped the rest), or 0.0 where the leader was already reaped by polling.
-    """
-    if init_pid is not None and not _leader_exited(proc):
-        # The namespace's init may have left our process group. Its parent, the trusted waiter, kills it on SIGTERM:
-        # race-free, as the waiter has not reaped it; the kernel then kills everything else in the namespace.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        _wait_until(lambda: _leader_exited(proc), 2.0)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the leader is not reaped yet, so this group id is still ours
-    cpu_time_s = 0.0
-    if proc.returncode is None:
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        cpu_time_s = usage.ru_utime + usage.ru_stime
-    # SIGKILL is delivered asynchronously: wait until it has been, so callers (and tests) see a clean host.
-    _wait_until(lambda: not _live_group_members(proc.pid), 2.0)
-    return cpu_time_s
-
-
-def _wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    """Pids of processes in group `pgid` that are not zombies (Linux /proc; [] elsewhere). Zombies are skipped:
-    where the host's init does not reap orphans they linger, but they run nothing and hold nothing but a pid."""
-    if not os.path.isdir("/proc"):
-        return []
-    members = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        state, _ppid, group = data[data.rindex(b")") + 2 :].split()[:3]
-        if int(group) == pgid and state not in (b"Z", b"X"):
-            members.append(int(name))
-    return members
+def _start_child(interpreter: str, config: dict, workdir: str) -> subprocess.Popen:
+    """Start the child interpreter on the bootstrap program; it isolates and limits itself before anything else
+    (no preexec_fn: that is unsafe in a threaded parent, and trainers are)."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    return subprocess.Popen(
+        [interpreter, "-I", "-S", "-B", "-c", f"{_bootstrap_source()}\n_child_main({config!r})\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+        start_new_session=True, pass_fds=(config["info_fd"],),
+    )
 
 
 def _parse_info(data: bytes) -> dict:
@@ -392,29 +245,6 @@ def _bootstrap_error(stderr: bytearray) -> str | None:
     """The child's own message where it stopped before reporting its layers (before any untrusted code ran)."""
     lines = bytes(stderr[-4096:]).decode("utf-8", "replace").strip().splitlines()
     return lines[-1] if lines and lines[-1].startswith("sandbox: ") else None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _remove_tree(path: str) -> None:
-    """Delete a run's directory even where its code removed permissions; never follows the symlinks it left."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            os.chmod(path, 0o700)
-    for dirpath, dirnames, _ in os.walk(path):
-        for name in dirnames:
-            child = os.path.join(dirpath, name)
-            with contextlib.suppress(OSError):
-                if stat.S_ISDIR(os.lstat(child).st_mode):  # lstat: a symlink to a host directory is left alone
-                    os.chmod(child, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):
-        warnings.warn(f"could not remove the sandbox directory {path}", RuntimeWarning, stacklevel=3)
 
 
 def _interpreter() -> str:

@@ -2,8 +2,11 @@
 
 The child receives these functions as source text (rewards.sandbox builds its `-c` program from CHILD_FUNCTIONS),
 so each imports what it needs itself and nothing here may rely on module globals. Never call them in the
-trainer's process: they unshare namespaces, drop privileges and patch the standard library.
+trainer's process: they unshare namespaces, drop privileges and patch the standard library. The root the child
+builds for itself is in rewards.sandbox_root.
 """
+
+from rewards.sandbox_root import ROOT_FUNCTIONS
 
 def _child_main(config: dict) -> None:
     """Read the program from stdin, isolate and limit this process, report the layers in force, run the program.
@@ -102,127 +105,6 @@ def _unshare_namespaces(allow_userns: bool) -> list[str]:
         except OSError:
             pass
     return ["userns", "netns", "pidns", "mountns", "ipcns", "utsns"]
-
-
-def _build_root(workdir: str, config: dict) -> list[str]:
-    """In the new mount namespace, switch to a root that holds only what the program needs, and report it.
-
-    The root is an empty tmpfs, read-only once built, holding: the interpreter and its standard library (without
-    site-packages) and the shared libraries it loads, read-only, at their host paths; /etc/ld.so.cache, so that the
-    standard library's extension modules find their libraries as on the host; /dev/null, zero, full, random and
-    urandom; a fresh /proc (this runs in the PID namespace's init, so it shows only the sandbox's processes); a
-    private, size-limited /tmp; and the working directory, writable, at its host path. Nothing else of the host:
-    no home directory, no project checkout, no /etc beyond the loader's cache, no old root.
-
-    Runs with the mount namespace's capabilities (as root, or in a user namespace). Exits the process, naming the
-    step and errno, where the root cannot be built: code must not run with the host's files in view because one
-    mount failed.
-    """
-    import ctypes
-    import os
-    import sys
-
-    ms_rdonly, ms_nosuid, ms_nodev, ms_noexec, ms_remount, ms_bind, ms_move, ms_rec, ms_private = (
-        1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def fail(step: str) -> None:
-        errno = ctypes.get_errno()
-        raise SystemExit(f"sandbox: could not build its root: {step}: {os.strerror(errno)} (errno {errno})")
-
-    def mount(source, target: str, fstype, flags: int, data=None, step: str = "") -> None:
-        encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
-        if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
-            fail(step or f"mount {target}")
-
-    def read_only(target: str) -> None:
-        """Make a mount read-only, nosuid, nodev: mount_setattr(2) (Linux 5.12+), else a bind remount."""
-        attr = (ctypes.c_uint64 * 4)(1 | 2 | 4, 0, 0, 0)  # MOUNT_ATTR_RDONLY | NOSUID | NODEV; clear, propagation, fd
-        at_fdcwd, at_recursive = -100, 0x8000
-        if libc.syscall(ctypes.c_long(442), ctypes.c_int(at_fdcwd),  # mount_setattr: 442 on every architecture
-                                                ctypes.c_char_p(os.fsencode(target)), ctypes.c_uint(at_recursive),
-                                                attr, ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
-            return
-        # A remount must keep the flags the kernel locked on the host's mount (nosuid, noexec, atime...).
-        locked = {os.ST_NOSUID: ms_nosuid, os.ST_NODEV: ms_nodev, os.ST_NOEXEC: ms_noexec, os.ST_NOATIME: 1024,
-                  os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}
-        kept = sum(flag for st, flag in locked.items() if os.statvfs(target).f_flag & st)
-        mount(None, target, None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev | kept, step=f"read-only {target}")
-
-    # First make every mount private to this namespace: a mount made while one is shared would show on the host.
-    mount(None, "/", None, ms_rec | ms_private, step="make mounts private")
-    new = config["root_dir"]
-    mount("tmpfs", new, "tmpfs", ms_nosuid | ms_nodev, "size=1m,nr_inodes=4096,mode=755", step="root tmpfs")
-
-    def inside(path: str) -> str:
-        return new + path
-
-    def make(path: str, directory: bool) -> None:
-        os.makedirs(inside(path) if directory else os.path.dirname(inside(path)), mode=0o755, exist_ok=True)
-        if not directory and not os.path.exists(inside(path)):
-            os.close(os.open(inside(path), os.O_WRONLY | os.O_CREAT, 0o644))
-
-    # What the interpreter reads: its executable, the directories on its path, and the shared objects it maps.
-    binds = {os.path.realpath(sys.executable): os.path.realpath(sys.executable)}
-    for entry in sys.path:
-        if os.path.isdir(entry):
-            binds[entry] = os.path.realpath(entry)
-    with open("/proc/self/maps") as f:
-        mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
-    library_dirs = {os.path.dirname(path) for path in mapped if path.startswith("/") and ".so" in path}
-    for path in ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", *library_dirs):
-        if os.path.isdir(path):
-            binds[path] = os.path.realpath(path)
-    if os.path.isfile("/etc/ld.so.cache"):
-        binds["/etc/ld.so.cache"] = "/etc/ld.so.cache"
-    covered: list[str] = []
-    for target in sorted(binds):  # a parent sorts before what it holds
-        if any(target == done or target.startswith(done.rstrip("/") + "/") for done in covered):
-            continue
-        if os.path.islink(target) and os.path.dirname(target) == "/":  # e.g. /lib -> usr/lib on merged-/usr hosts
-            os.symlink(os.readlink(target), inside(target))
-            covered.append(target)  # what the link points to is bound on its own
-            continue
-        make(target, os.path.isdir(binds[target]))
-        mount(binds[target], inside(target), None, ms_bind | ms_rec)
-        read_only(inside(target))
-        covered.append(target)
-    for entry in sys.path:  # installed packages are not the standard library: hide them
-        for name in ("site-packages", "dist-packages"):
-            if os.path.isdir(os.path.join(entry, name)):
-                mount("tmpfs", inside(os.path.join(entry, name)), "tmpfs", ms_nosuid | ms_nodev | ms_rdonly,
-                      "size=4k,nr_inodes=1,mode=555")
-    make("/dev", True)
-    for name in ("null", "zero", "full", "random", "urandom"):
-        make(f"/dev/{name}", False)
-        mount(f"/dev/{name}", inside(f"/dev/{name}"), None, ms_bind)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, inside(f"/dev/{name}"))
-    layers = ["private_root"]
-    make("/proc", True)
-    if libc.mount(b"proc", os.fsencode(inside("/proc")), b"proc", ms_nosuid | ms_nodev | ms_noexec, None) == 0:
-        layers.append("private_proc")  # where refused, /proc stays an empty directory: the host's is not in view
-    make("/tmp", True)
-    mount("tmpfs", inside("/tmp"), "tmpfs", ms_nosuid | ms_nodev,
-          f"size={config['tmp_mb']}m,nr_inodes=4096,mode=1777", step="/tmp tmpfs")
-    layers.append("private_tmp")
-    make(workdir, True)
-    mount(workdir, inside(workdir), None, ms_bind | ms_rec, step="bind the working directory")
-    mount(None, new, None, ms_remount | ms_rdonly | ms_nosuid | ms_nodev, step="read-only root")
-    layers.append("readonly_root")
-    # pivot_root(".", ".") stacks the old root on the new one; detaching it leaves nothing of the host above us.
-    os.chdir(new)
-    pivot = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(os.uname().machine)  # not platform: importing it costs more than this whole function
-    if pivot is not None and libc.syscall(ctypes.c_long(pivot), b".", b".") == 0:
-        if libc.umount2(b".", 2) != 0:  # MNT_DETACH
-            fail("detach the old root")
-    else:  # no pivot_root here: move the new root over / and chroot into it (what switch_root does)
-        mount(".", "/", None, ms_move, step="move the root")
-        if libc.chroot(b".") != 0:
-            fail("chroot")
-    os.chdir(workdir)
-    return layers
 
 
 def _fork_namespace_init(info: int) -> None:
@@ -360,16 +242,10 @@ def _install_guards(workdir: str, private_tmp: bool) -> None:
     one), from inside Python (defence in depth)."""
     import _posixsubprocess
     import _socket
-    import builtins
-    import io
     import os
     import posix
     import socket
     import sys
-
-    writable = (os.path.realpath(workdir), "/tmp") if private_tmp else (os.path.realpath(workdir),)
-    realpath, join, getcwd, readlink, fspath, fsdecode = (
-        os.path.realpath, os.path.join, os.getcwd, os.readlink, os.fspath, os.fsdecode)
 
     def refuse(what):
         def refused(*args, **kwargs):
@@ -393,6 +269,20 @@ def _install_guards(workdir: str, private_tmp: bool) -> None:
     for name in ("ctypes", "_ctypes"):
         sys.modules[name] = None  # `import ctypes` now raises ImportError
 
+    _guard_files(workdir, private_tmp)
+
+
+def _guard_files(workdir: str, private_tmp: bool) -> None:
+    """Refuse, from inside Python, opening another process's /proc entries and writing outside `workdir` (and the
+    sandbox's own /tmp where it has one): open, os.open, and the calls that delete, rename, chmod or link."""
+    import builtins
+    import io
+    import os
+    import posix
+
+    writable = (os.path.realpath(workdir), "/tmp") if private_tmp else (os.path.realpath(workdir),)
+    realpath, join, getcwd, readlink, fspath, fsdecode = (
+        os.path.realpath, os.path.join, os.getcwd, os.readlink, os.fspath, os.fsdecode)
     own_proc = f"/proc/{os.getpid()}"
 
     def check(path, dir_fd=None, write=True) -> None:
@@ -444,6 +334,6 @@ def _install_guards(workdir: str, private_tmp: bool) -> None:
             setattr(posix, name, getattr(os, name))
 
 
-CHILD_FUNCTIONS = (_child_main, _input_on_stdin, _unshare_namespaces, _build_root, _fork_namespace_init, _drop_privileges,
-                   _drop_capability_bounds, _drop_capabilities, _die_with_waiter, _no_new_privs, _set_limits,
-                   _install_guards)
+CHILD_FUNCTIONS = (_child_main, _input_on_stdin, _unshare_namespaces, *ROOT_FUNCTIONS, _fork_namespace_init,
+                   _drop_privileges, _drop_capability_bounds, _drop_capabilities, _die_with_waiter, _no_new_privs,
+                   _set_limits, _install_guards, _guard_files)
