@@ -261,7 +261,7 @@ def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: 
     config_path = Path(location) / "config.json"
     quantized_dir = config_path.exists() and "quantization_config" in json.loads(config_path.read_text())
     if quantized_dir:
-        from posttrain.quant.export import load_quantized
+        from posttrain.quant.export_read import load_quantized
         from posttrain.quant.linear import swap_linears
 
         config, quantized, tensors = load_quantized(location)

@@ -95,7 +95,8 @@ def main(cfg, run: StageRun) -> dict:
 
     from posttrain.models.loading import load_tokenizer, model_location
     from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
-    from posttrain.quant.export import export_quantized, size_on_disk
+    from posttrain.quant.export import export_quantized
+    from posttrain.quant.export_read import size_on_disk
     from posttrain.quant.formats import bytes_per_param
     from posttrain.stages.sft import load_rows, tokenize_rows
 

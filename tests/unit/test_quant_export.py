@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from posttrain.quant import export as export_module
-from posttrain.quant.export import export_quantized, load_quantized, size_on_disk
+from posttrain.quant.export import export_quantized
+from posttrain.quant.export_read import load_quantized, size_on_disk
 from posttrain.quant.formats import QuantizedWeight
 from tests.native import isolated
 from tests.nf4_bf16 import bf16_kernel_bound, bf16_kernel_logits
