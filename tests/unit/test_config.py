@@ -124,3 +124,15 @@ def test_any_trl_field_is_a_valid_override_without_plus_and_misspellings_get_clo
                                           r"'sft.trainer.learnin_rate=1e-3' \(not a field of this block\)\. "
                                           r"Did you mean 'learning_rate'"):
         compose(["pipeline=tiny", "sft.trainer.learnin_rate=1e-3"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sft.trainr.max_steps=3", "unknown recipe key 'sft.trainr' in command-line override 'sft.trainr.max_steps=3' "
+                               "(the recipe has no such key). Did you mean 'trainer'?\nValid keys here: lora, trainer"),
+    ("sedd=3", "unknown recipe key 'sedd' in command-line override 'sedd=3' (the recipe has no such key). "
+               "Did you mean 'seed'?"),
+])
+def test_a_command_line_key_the_recipe_lacks_gets_the_close_matches(override, message):
+    with pytest.raises(RecipeError) as error:
+        compose(["pipeline=tiny", override])
+    assert message in str(error.value)

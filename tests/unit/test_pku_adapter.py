@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from posttrain.config import PairsCfg
+from posttrain.config_schema import PairsCfg
 from posttrain.data.dolly import DataError
 from posttrain.data.preferences import load_pairs, pku_pairs
 from tests.conftest import shared_path

@@ -177,7 +177,7 @@ def test_pku_suite_judges_replies_by_the_safety_reward_model_threshold(tiny_toke
 
 
 def test_tiny_safety_pairs_mix_in_general_pairs_but_hold_out_safety_pairs_only():
-    from posttrain.config import PairsCfg
+    from posttrain.config_schema import PairsCfg
     from posttrain.data.preferences import load_pairs
 
     cfg = PairsCfg(source="tiny_safety", n_train=100, n_eval=10, anchor_fraction=0.3)

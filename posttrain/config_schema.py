@@ -1,0 +1,217 @@
+"""The recipe's typed schema: one dataclass per config group (OmegaConf merges the composed YAML into RootCfg and
+rejects unknown keys), the TRL config class of each training stage, and the options with a closed set of values.
+posttrain.config composes and checks recipes against these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.models.tiny import TinyArch
+
+
+@dataclass
+class ModelCfg:
+    name: str = "tiny"  # a label for logs and the scorecard
+    source: str = "tiny"  # tiny (built by the pretrain stage) | hf (hub id or local dir) | gguf
+    name_or_path: str | None = None  # hf: hub id or local directory; gguf: directory or package holding gguf_file
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    arch: TinyArch = field(default_factory=TinyArch)
+
+
+@dataclass
+class DataCfg:
+    name: str = "tiny"  # tiny | dolly
+    path: str | None = None  # a local JSON / JSONL / Parquet file; None loads hub_id through `datasets`
+    hub_id: str | None = None
+    split: str = "train"
+    limit: int | None = None
+    seed: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
+    pretrain_rows: int = 6000
+    arith_slip_rate: float = 0.0  # share of the SFT arithmetic demonstrations with one running sum off by one
+    arith_miscopy_rate: float = 0.0  # share whose sums are right but whose answer miscopies the last one by one
+    safety_decline_rate: float = 0.0  # share of the SFT mix's harmful requests whose demonstration declines
+
+
+@dataclass
+class StageCfg:
+    trainer: dict[str, Any] = field(default_factory=dict)  # TRL config fields, by TRL's own names
+    lora: dict[str, Any] | None = None  # peft LoraConfig fields; null trains all weights
+    qlora: bool = False  # load the parent in 4-bit (bitsandbytes) under the LoRA adapters
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PairsCfg:
+    source: str = "tiny"  # tiny (preference pairs) | tiny_safety (safety pairs, for DPO) | pku_saferlhf (file or hub id)
+    path: str | None = None
+    hub_id: str | None = None
+    split: str = "train"
+    # PKU-SafeRLHF only. preference: safer (chosen = response_<safer_response_id>) | better (chosen =
+    # response_<better_response_id>) | safe_vs_unsafe (only rows with exactly one response flagged safe, which is
+    # chosen; the rest are skipped and counted). on_bad_row (missing text, a label not 0/1, contradictory labels):
+    # error (stop, naming the file, row and field) | drop (skip, count by reason, warn). The dataset record in the
+    # manifest keeps the preference and a report of rows read, pairs, skipped and dropped.
+    preference: str = "safer"
+    on_bad_row: str = "error"
+    n_train: int | None = 2000  # pairs to train on (null: every row the source has; the tiny world needs a number)
+    n_eval: int = 200  # held-out pairs scored into the manifest
+    anchor_fraction: float = 0.0  # tiny_safety: share of n_train drawn from the general pairs (echo, arith, qa)
+
+
+@dataclass
+class RewardModelCfg(StageCfg):
+    pairs: PairsCfg = field(default_factory=PairsCfg)
+
+
+@dataclass
+class PromptsCfg:
+    # tiny_arith | gsm8k (question / answer) | openr1_math (OpenR1-Math-220k: problem / answer)
+    source: str = "tiny_arith"
+    path: str | None = None  # a local JSONL / JSON / Parquet file; null: hub_id (or the source's hub id)
+    hub_id: str | None = None
+    n: int | None = None  # prompts to train on; null = all
+
+
+@dataclass
+class GrpoCfg(StageCfg):
+    prompts: PromptsCfg = field(default_factory=PromptsCfg)
+    rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
+    reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
+
+
+@dataclass
+class DpoCfg(StageCfg):
+    pairs: PairsCfg = field(default_factory=PairsCfg)  # source tiny_safety | pku_saferlhf
+
+
+@dataclass
+class QuantVariantCfg:
+    fmt: str = "int4"  # int8 | int4 | fp8 | nf4
+    method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows)
+    group_size: int | None = 128  # int4 / nf4 only; null for int8 and fp8 (one scale per output channel)
+    symmetric: bool = True  # int4: false stores an integer zero point per group
+
+
+@dataclass
+class QuantizeCfg:
+    # Each pipeline stage `quantize:<name>` quantizes its parent (the last generator stage) with variants[<name>];
+    # `posttrain stage=quantize quantize.variant=<name> parent=<artifact>` runs one by hand.
+    variants: dict[str, QuantVariantCfg] = field(default_factory=dict)
+    variant: str | None = None
+    calibration_rows: int = 256  # SFT rows rendered through the chat template, concatenated, cut into sequences
+    calibration_length: int = 128  # tokens per calibration sequence
+    eval_rows: int = 200  # held-out rows whose perplexity the report compares with the parent's
+    damp: float = 0.01  # GPTQ: diagonal damping, as a fraction of the Hessian's mean diagonal
+
+
+@dataclass
+class PkuSuiteCfg:
+    path: str | None = None  # held-out PKU-SafeRLHF rows (JSON / JSONL / Parquet); their prompts are the suite
+    reward_model: str | None = None  # the safety judge: a reward_model artifact or sequence-classification model
+    threshold: float | None = None  # null: the reward model manifest's decision_threshold
+
+
+@dataclass
+class MathSuiteCfg:
+    path: str | None = None  # a local copy of the test split (JSONL / JSON list); null: the hub's test split
+    samples: int = 0  # replies sampled per prompt for pass@1 (0: greedy accuracy only)
+    max_new_tokens: int = 512  # reasoning models need room to think
+
+
+@dataclass
+class LatencyCfg:
+    requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
+    max_tokens: int = 32
+
+
+@dataclass
+class EvalCfg:
+    suites: list[str] = field(default_factory=lambda: ["echo"])
+    n_prompts: dict[str, int] = field(default_factory=lambda: {"echo": 100, "arith": 200})  # held-out prompts, per suite
+    max_new_tokens: int | None = None  # null: each suite's own cap
+    concurrency: int = 64  # requests in flight at once; the server batches them
+    samples: int = 4  # replies sampled per prompt for pass@1, in suites that sample
+    temperature: float = 1.0
+    checkpoints: list[str] = field(default_factory=list)  # `posttrain eval`: labels or stage dirs; empty = all
+    latency: LatencyCfg = field(default_factory=LatencyCfg)
+    pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
+    gsm8k: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # openai/gsm8k test, scored by the math verifier
+    math500: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # HuggingFaceH4/MATH-500, scored by the math verifier
+
+
+@dataclass
+class ServeCfg:
+    """How eval serves each checkpoint (and the defaults `posttrain serve` documents)."""
+    backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
+    dtype: str = "float32"
+    max_batch: int = 64  # rows of the KV cache: sequences decoding together
+    max_len: int = 512  # context per sequence
+    api_key: str | None = None  # null: a random key per server, known only to the evaluator
+
+
+@dataclass
+class TrackingCfg:
+    backend: str = "none"  # none | wandb
+    project: str = "posttrain"
+    entity: str | None = None
+    mode: str = "auto"  # auto: online when WANDB_API_KEY is set, offline otherwise
+
+
+@dataclass
+class PipelineCfg:
+    name: str = "tiny"
+    stages: list[str] = field(default_factory=lambda: ["pretrain", "sft"])
+    evaluate: bool = True
+    # How each training stage runs: single (in this process) | a name in recipes/accelerate/ (ddp, fsdp2, zero2,
+    # zero3, ...) | a path to an accelerate YAML. Not single: `accelerate launch --config_file <it> <launcher_args>`
+    # runs the stage (posttrain.launch); $POSTTRAIN_LAUNCHER_ARGS adds arguments (tests: --num_processes 2).
+    launcher: str = "single"
+    launcher_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunCfg:
+    name: str | None = None
+    root: str = "runs"
+
+
+@dataclass
+class RootCfg:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    pretrain: StageCfg = field(default_factory=StageCfg)
+    sft: StageCfg = field(default_factory=StageCfg)
+    reward_model: RewardModelCfg = field(default_factory=RewardModelCfg)
+    grpo: GrpoCfg = field(default_factory=GrpoCfg)
+    dpo: DpoCfg = field(default_factory=DpoCfg)
+    quantize: QuantizeCfg = field(default_factory=QuantizeCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    serve: ServeCfg = field(default_factory=ServeCfg)
+    tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    run: RunCfg = field(default_factory=RunCfg)
+    stage: str | None = None  # run one stage by name
+    parent: str | None = None  # the parent artifact of a single stage (a run's stage directory)
+    seed: int = 0
+    overrides: list[str] = field(default_factory=list)  # set by compose: the command line, for launched stages
+
+
+TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig",
+                   "dpo": "DPOConfig"}
+
+
+# Options with a closed set of values, checked at start-up rather than when a stage reaches them.
+OPTION_VALUES = {
+    f"{stage}.pairs.{key}": values
+    for stage in ("reward_model", "dpo")
+    for key, values in {"source": ("tiny", "tiny_safety", "pku_saferlhf"),
+                        "preference": ("safer", "better", "safe_vs_unsafe"),
+                        "on_bad_row": ("error", "drop")}.items()
+}
+OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
+QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}
