@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from posttrain.planner.config import PlannerError, load_config
@@ -31,14 +32,44 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+UNITS = {"k": 1e-6, "m": 1e-3, "g": 1.0, "t": 1e3, "p": 1e6, "ki": 2**10 / 1e9, "mi": 2**20 / 1e9,
+         "gi": 2**30 / 1e9, "ti": 2**40 / 1e9}  # prefix of B (or B/s) -> how many GB one is
+BANDWIDTH_RANGE_GB_S = (1.0, 100_000.0)  # a laptop's DRAM to well beyond any accelerator's HBM
+MEMORY_RANGE_GB = (1.0, 4_096.0)
+
+
+def quantity_gb(text: str, per_second: bool, valid: tuple[float, float]) -> float:
+    """'900', '900GB/s', '3.35 TB/s', '141GiB' -> GB (per second for a bandwidth); a bare number is GB(/s). Values
+    outside `valid` are refused: a bandwidth of 1e12 GB/s is a unit mistake, not a machine.
+
+    >>> quantity_gb("2TB/s", True, BANDWIDTH_RANGE_GB_S), quantity_gb("141GiB", False, MEMORY_RANGE_GB)
+    (2000.0, 151.397597184)
+    """
+    unit = "B/s" if per_second else "B"
+    number = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+    match = re.fullmatch(number + r"\s*(?:([kmgtpKMGTP]i?)" + re.escape(unit) + ")?", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a number of GB{'/s' if per_second else ''} or a quantity with "
+                                         f"units (900, 3.35TB/s, 141GiB), got {text!r}")
+    value = float(match.group(1)) * (UNITS[match.group(2).lower()] if match.group(2) else 1.0)
+    low, high = valid
+    shown = f"{value:g} GB{'/s' if per_second else ''}"
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text!r} is {shown}, outside any real machine's range ({low:g} to "
+                                         f"{high:g} GB{'/s' if per_second else ''}); a bare number is in GB"
+                                         f"{'/s' if per_second else ''}, or give units ({'2TB/s' if per_second else '80GB'})")
+    return value
+
+
 def bandwidth_list(text: str) -> dict[str, float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated GB/s figures, got {text!r}") from None
+    values = [quantity_gb(v, True, BANDWIDTH_RANGE_GB_S) for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError("expected at least one bandwidth")
     return {f"{v:g} GB/s": v for v in values}
+
+
+def memory_gb(text: str) -> float:
+    return quantity_gb(text, False, MEMORY_RANGE_GB)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context lengths, comma-separated (default 4096,32768)")
     parser.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--bandwidth", type=bandwidth_list, default=None,
-                        help="memory bandwidths in GB/s for the decode ceiling, comma-separated (default "
+                        help="memory bandwidths for the decode ceiling, comma-separated, in GB/s or with units "
+                             "(3.35TB/s) (default "
                              + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_BANDWIDTHS.items()) + ")")
     parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs for training (default 8)")
-    parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    parser.add_argument("--gpu-mem", type=memory_gb, default=80.0,
+                        help="memory per GPU, in GB or with units (141GB, 96GiB) (default 80)")
     parser.add_argument("--seq-len", type=int, default=4096, help="training sequence length (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="training micro-batch per GPU (default 1)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA / QLoRA rank (default 16)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -356,3 +357,18 @@ def test_stages_log_the_planner_verdict_on_a_gpu_box(monkeypatch, caplog):
     assert "full FT DDP DOES NOT FIT" in log_capacity_plan("sft", config, method="full", seq_len=4096, micro_batch=1)
     bad = log_capacity_plan("sft", "/nonexistent/dir", method="full", seq_len=4096, micro_batch=1)
     assert bad is None and "capacity planner could not read" in caplog.text
+
+
+def test_quantities_take_units_and_refuse_values_no_machine_has():
+    import argparse
+
+    from posttrain.planner.cli import bandwidth_list, memory_gb
+
+    assert bandwidth_list("900,3.35TB/s,2 TB/s") == {"900 GB/s": 900.0, "3350 GB/s": 3350.0, "2000 GB/s": 2000.0}
+    assert memory_gb("141GB") == 141.0 and memory_gb("96GiB") == pytest.approx(103.079, abs=1e-3)
+    for text, message in [("1e12", "'1e12' is 1e+12 GB/s, outside any real machine's range"),
+                          ("500MB/s", "is 0.5 GB/s, outside"), ("abc", "expected a number of GB/s"),
+                          ("900B/s", "expected a number of GB/s")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            bandwidth_list(text)
+    assert plan_main(["config.json", "--bandwidth", "1e12"]) == 2  # argparse's usage line and the message
