@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from posttrain.models.loading import check_model_reachable
+
 log = logging.getLogger("posttrain")
 USAGE = __doc__
 
@@ -101,8 +103,6 @@ def resolve_model(location: str) -> tuple[str, str]:
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{location}: neither a pipeline artifact (model/ + manifest.json) nor a model "
                                 f"directory (config.json)")
-    from posttrain.models.loading import check_model_reachable
-
     check_model_reachable(location)
     return location, path.name if path.exists() else location
 
