@@ -123,6 +123,7 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
         _check_types(cfg[stage].trainer, f"{stage}.trainer", class_name, choices, overrides)
         if cfg[stage].lora is not None:
             _check_fields(cfg[stage].lora, f"{stage}.lora", lora_fields(), choices, overrides)
+    _check_stage_options(cfg, choices, overrides)
     for key, valid in OPTION_VALUES.items():
         value = OmegaConf.select(cfg, key)
         if value not in valid:
@@ -147,6 +148,19 @@ def _check_types(block, prefix: str, class_name: str, choices, overrides) -> Non
             full = f"{prefix}.{key}"
             raise RecipeError(f"recipe key '{full}' in {key_source(full, choices, overrides)} is {value!r}; expected "
                               f"{describe(field_types[key])} (the type of {class_name}.{key})")
+
+
+def _check_stage_options(cfg: DictConfig, choices, overrides) -> None:
+    """Keys the schema has that a stage would otherwise ignore or overwrite without a word."""
+    for stage in TRAINER_CLASSES:
+        if stage != "sft" and cfg[stage].qlora:
+            key = f"{stage}.qlora"
+            raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)} is true, but only sft "
+                              f"trains on a 4-bit parent (QLoRA); {stage} would ignore it")
+    if cfg.grpo.trainer.get("reward_weights") is not None:
+        key = "grpo.trainer.reward_weights"
+        raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)}: GRPO takes its rewards' "
+                          "weights from grpo.rewards (name: weight), and would replace these")
 
 
 def _check_fields(block, prefix: str, valid: list[str], choices, overrides) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -136,3 +137,13 @@ def test_a_command_line_key_the_recipe_lacks_gets_the_close_matches(override, me
     with pytest.raises(RecipeError) as error:
         compose(["pipeline=tiny", override])
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+dpo.qlora=true", "recipe key 'dpo.qlora' in command-line override '+dpo.qlora=true' is true, but only sft "
+                        "trains"),
+    ("grpo.trainer.reward_weights=[1.0]", "GRPO takes its rewards' weights from grpo.rewards"),
+])
+def test_keys_a_stage_would_ignore_or_overwrite_fail_at_start_up(override, message):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        compose(["pipeline=tiny", override])
