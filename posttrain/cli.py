@@ -1,6 +1,7 @@
 """The `posttrain` command.
 
-    posttrain run pipeline=tiny [overrides]      run a pipeline (Hydra overrides as in any Hydra app)
+    posttrain run pipeline=tiny [overrides]      run a pipeline (Hydra overrides as in any Hydra app); with
+                                                 --dry-run, only check what can be checked before it starts
     posttrain stage=sft model=... data=...       run one stage
     posttrain eval [run.name=<run>] [overrides]  serve each checkpoint of a run, score it through the API, write
                                                  scorecard.md/.json and report.html (default: the latest run)
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.data.dolly import DataError
     from posttrain.pipeline import run_pipeline, run_single_stage
 
-    command, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
+    dry_run = "--dry-run" in argv
+    argv = [arg for arg in argv if arg != "--dry-run"]
+    command, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
     if command not in (None, "run", "eval", "claims"):
         print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
@@ -80,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError, ClaimsError)
     try:
         cfg = compose(overrides)
+        if dry_run and (command == "run" or cfg.stage):
+            from posttrain.preflight import preflight
+
+            checked = preflight(cfg, list(cfg.pipeline.stages) if command == "run" else [cfg.stage])
+            print("posttrain: the recipe composes, and these hold before any stage would run:\n  "
+                  + "\n  ".join(["recipe keys and value types", *checked]))
+            return 0
         if command == "run":
             run_pipeline(cfg)
         elif command == "eval":

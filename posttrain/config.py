@@ -68,8 +68,9 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
             cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except (ConfigCompositionException, MissingConfigException) as err:
-        if (missing := re.match(r"Could not override '([\w.]+)'", str(err))) and missing.group(1) != "":
-            raise RecipeError(_unknown_override(missing.group(1), overrides)) from None
+        missing = re.match(r"Could not override '([\w.]+)'", str(err))
+        if missing and (message := _unknown_override(missing.group(1), overrides)):
+            raise RecipeError(message) from None
         raise RecipeError(f"could not compose the recipe from {RECIPES_DIR}: {err}") from err
     choices = dict(cfg.hydra.runtime.choices)
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
@@ -78,9 +79,10 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     return validate(OmegaConf.create(with_hydra), choices, given)  # key_source names what the user typed
 
 
-def _unknown_override(key: str, overrides: list[str]) -> str:
-    """The message for a command-line key the recipe does not have: the close matches and the valid keys where the
-    key's parent exists, found by composing the recipe without that override."""
+def _unknown_override(key: str, overrides: list[str]) -> str | None:
+    """The message for a command-line key the recipe does not have: the first part of it that is not there, its
+    close matches and the valid keys, found by composing the recipe without that override. None where the key is
+    there after all (Hydra refused the override for another reason)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -98,6 +100,8 @@ def _unknown_override(key: str, overrides: list[str]) -> str:
         if not isinstance(node, DictConfig) or part not in node:
             break
         node = node[part]
+    else:
+        return None
     wrong = ".".join(parts[: depth + 1])
     valid = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
     if not valid:

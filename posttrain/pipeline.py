@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from posttrain import tracking, training
 from posttrain.artifacts import manifest_sha256, own_stage_dir, read_manifest, verify_artifact
 from posttrain.config import stage_view
-from posttrain.models.loading import check_model_reachable
+from posttrain.preflight import preflight
 from posttrain.training import StageRun, stage_hash
 
 log = logging.getLogger("posttrain")
@@ -135,19 +135,13 @@ def check_processes(cfg, stages: list[str], evaluate: bool) -> None:
                           f"pipeline.launcher=<name>, which launches only the training stages")
 
 
-def check_model(cfg) -> None:
-    """A hub id or model path that cannot be loaded stops the run before any stage starts, in one line."""
-    if cfg.model.source == "hf" and not cfg.parent:
-        check_model_reachable(cfg.model.name_or_path, cfg.model.revision)
-
-
 def run_pipeline(cfg) -> Path:
     from posttrain.evaluation.run import evaluate
 
     from posttrain.launch import launcher_config
 
     check_processes(cfg, list(cfg.pipeline.stages), cfg.pipeline.evaluate)
-    check_model(cfg)
+    preflight(cfg, list(cfg.pipeline.stages))
     run_dir, run_name = run_dir_of(cfg)
     launcher_config(cfg.pipeline.launcher)  # a launcher that does not exist fails before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +167,7 @@ def run_single_stage(cfg) -> Path:
     from posttrain.launch import launcher_config
 
     check_processes(cfg, [cfg.stage], False)
-    check_model(cfg)
+    preflight(cfg, [cfg.stage])
     run_dir, run_name = run_dir_of(cfg)
     launcher_config(cfg.pipeline.launcher)
     parent = Path(cfg.parent) if cfg.parent else None
