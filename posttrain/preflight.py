@@ -24,8 +24,11 @@ def preflight(cfg, stages: list[str]) -> list[str]:
     if cfg.model.source == "hf" and not cfg.parent:
         check_model_reachable(cfg.model.name_or_path, cfg.model.revision)
         checked.append(f"model {cfg.model.name_or_path}")
+    # Under torchrun each rank is already one of several: a TRL config object built now would start the process
+    # group without the run's timeout (training.init_distributed starts it first, when the stage begins).
+    trainers = [] if training.world_size() > 1 else list(dict.fromkeys(name.partition(":")[0] for name in stages))
     with tempfile.TemporaryDirectory(prefix="posttrain-preflight-") as scratch:
-        for stage in dict.fromkeys(name.partition(":")[0] for name in stages):
+        for stage in trainers:
             if stage in TRAINER_CLASSES:
                 check_trainer(cfg, stage, Path(scratch))
                 checked.append(f"{stage}.trainer ({TRAINER_CLASSES[stage]})")
