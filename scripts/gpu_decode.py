@@ -5,7 +5,7 @@ each against the memory-bandwidth ceiling.
     python scripts/gpu_decode.py --device cpu --tiny    # smoke test: tiny config, 8 new tokens, bf16 only, no Triton
 
 Sections (a failure in one is printed and recorded, and the others still run): environment; the Triton kernels
-against a float64 reference and their timings (`triton_kernels.check_kernels_against_reference` / `time_kernels`);
+against a float64 reference and their timings (`triton_check.check_kernels_against_reference` / `time_kernels`);
 the device's copy and read bandwidth; then for every (weights, batch): decode tokens/s of our engine and of
 transformers `generate` on the same model, and the ceiling
 
@@ -37,6 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing the package
 
+from posttrain.bench import measure_bandwidth, synchronize  # noqa: E402
 from posttrain.quant.calibrate import decoder_layers, quantization_targets  # noqa: E402
 from posttrain.quant.formats import quantize_weight  # noqa: E402
 from posttrain.serve.engine import Engine, SamplingParams, model_from_hf  # noqa: E402
@@ -83,47 +84,6 @@ def print_table(rows: list[dict], columns: list[str], formats: dict[str, str] | 
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in cells:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ------------------------------------------------------------------------------------------ bandwidth
-def time_op_s(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call: CUDA events on a GPU, perf_counter on a CPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidth(device: torch.device, gib: float, repeats: int) -> dict:
-    """Copy bandwidth (bytes read + written) of a large copy, and read-only bandwidth of a sum over fp32 values."""
-    numel = int(gib * 2**30) // 4
-    src = torch.rand(numel, device=device)  # fp32, `gib` GiB
-    dst = torch.empty_like(src)
-    copy_s = time_op_s(lambda: dst.copy_(src), device, repeats)
-    del dst
-    read_s = time_op_s(lambda: src.sum(), device, repeats)
-    nbytes = numel * 4
-    result = {"tensor_gib": nbytes / 2**30, "copy_gb_s": 2 * nbytes / copy_s / 1e9, "read_gb_s": nbytes / read_s / 1e9,
-              "copy_ms": copy_s * 1e3, "read_ms": read_s * 1e3}
-    del src
-    return result
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -264,17 +224,17 @@ def compact_checks(rows: list[dict]) -> list[dict]:
 
 
 def kernel_section(report: Report) -> None:
-    from posttrain.quant import triton_kernels
+    from posttrain.quant import triton_check
 
     t0 = time.perf_counter()
-    rows = triton_kernels.check_kernels_against_reference("cuda")
+    rows = triton_check.check_kernels_against_reference("cuda")
     report.data["kernel_checks"] = rows
     print(f"== Triton kernels vs float64, max |err| / max |ref| ({time.perf_counter() - t0:.0f} s): "
           f"{sum(r['ok'] for r in rows)}/{len(rows)} ok")
     print_table(compact_checks(rows), ["kernel", "shape", "float32", "float16", "bfloat16", "ok"],
                 {d: ".1e" for d in ("float32", "float16", "bfloat16")})
     t0 = time.perf_counter()
-    rows = triton_kernels.time_kernels("cuda")
+    rows = triton_check.time_kernels("cuda")
     report.data["kernel_timings"] = rows
     print(f"== Triton kernel timings, decode shapes, L2 flushed ({time.perf_counter() - t0:.0f} s)")
     print_table(rows, ["kernel", "shape", "dtype", "us_per_call", "gb_per_s"],

@@ -75,6 +75,18 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
 
 
+def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, fmt: str, symmetric: bool) -> None:
+    if fmt not in GPTQ_FORMATS:
+        raise ValueError(f"gptq_quantize supports fmt in {GPTQ_FORMATS}, got {fmt!r}")
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(w.shape)}")
+    in_features = w.shape[1]
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise ValueError(f"hessian shape {tuple(hessian.shape)} != [in, in] = [{in_features}, {in_features}]")
+    if fmt != "int4" and not symmetric:
+        raise ValueError(f"{fmt} is symmetric only; symmetric=False is int4 only")
+
+
 def gptq_quantize(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -95,16 +107,9 @@ def gptq_quantize(
     their column is decoupled, so it is rounded to nearest and its weights are kept (not zeroed), which keeps
     the layer sane on inputs the calibration never showed. Computation is float32.
     """
-    if fmt not in GPTQ_FORMATS:
-        raise ValueError(f"gptq_quantize supports fmt in {GPTQ_FORMATS}, got {fmt!r}")
-    if w.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(w.shape)}")
+    _check_inputs(w, hessian, fmt, symmetric)
     out_features, in_features = w.shape
-    if tuple(hessian.shape) != (in_features, in_features):
-        raise ValueError(f"hessian shape {tuple(hessian.shape)} != [in, in] = [{in_features}, {in_features}]")
     group_size = resolve_group_size(fmt, group_size, in_features)
-    if fmt != "int4" and not symmetric:
-        raise ValueError(f"{fmt} is symmetric only; symmetric=False is int4 only")
     group = group_size or in_features
     n_groups = in_features // group
 

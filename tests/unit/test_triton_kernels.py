@@ -29,6 +29,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the W8A16/W4A16 kernel tests need it")
+triton_check = importlib.import_module("posttrain.quant.triton_check")  # after the skip: it imports triton
 
 KERNELS_FILE = Path(__file__).resolve().parents[2] / "posttrain" / "quant" / "triton_kernels.py"
 # Elementwise check |y - ref| <= RTOL |ref| + ATOL max|ref|: RTOL covers rounding the output to its dtype
@@ -225,7 +226,9 @@ def test_fresh_process_with_variable_set_before_import():
         "from triton.runtime.interpreter import InterpretedFunction\n"
         "from posttrain.quant import triton_kernels as tk\n"
         "assert isinstance(triton.language.standard.zeros, InterpretedFunction) and tk.interpreter_active()\n"
-        "rows = tk.check_kernels_against_reference('cpu', shapes=[(3, 20, 64), (17, 20, 64)], dtypes=[torch.float16])\n"
+        "from posttrain.quant import triton_check\n"
+        "rows = triton_check.check_kernels_against_reference('cpu', shapes=[(3, 20, 64), (17, 20, 64)],"
+        " dtypes=[torch.float16])\n"
         "assert len(rows) == 6 and all(row['ok'] for row in rows), rows\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -274,7 +277,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch, fmt, kernel, dtype, h
 
 # ------------------------------------------------------------------ GPU check helpers, tiny CPU path
 def test_check_kernels_against_reference_runs_in_interpreter(tk):
-    rows = tk.check_kernels_against_reference(device="cpu")
+    rows = triton_check.check_kernels_against_reference(device="cpu", kernels=tk)
     kernels = {row["kernel"] for row in rows}
     assert kernels == {"w8a16", "w4a16_sym", "w4a16_asym"}
     assert {row["dtype"] for row in rows} == {"float32", "float16", "bfloat16"}
@@ -284,7 +287,7 @@ def test_check_kernels_against_reference_runs_in_interpreter(tk):
 
 
 def test_time_kernels_runs_in_interpreter(tk):
-    rows = tk.time_kernels(device="cpu")
+    rows = triton_check.time_kernels(device="cpu", kernels=tk)
     assert [row["kernel"] for row in rows] == ["w8a16", "w4a16_sym", "w4a16_asym"]
     M, N, K = rows[0]["shape"]
     for row in rows:
