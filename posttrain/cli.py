@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return render_main(argv[2:])
 
+    # Imported here, after the light subcommands above: those should not pay for torch, TRL and Hydra.
     from posttrain.artifacts import ArtifactError
     from posttrain.chat.render import MaskError
     from posttrain.config import RecipeError, compose

@@ -16,6 +16,7 @@ from posttrain import training
 from posttrain.config import RecipeError
 from posttrain.config_schema import TRAINER_CLASSES
 from posttrain.models.loading import check_model_reachable
+from rewards import REWARDS
 
 
 def preflight(cfg, stages: list[str]) -> list[str]:
@@ -51,8 +52,6 @@ def check_trainer(cfg, stage: str, scratch: Path) -> None:
 
 
 def check_rewards(cfg) -> None:
-    from rewards import REWARDS  # the reward functions' package, imported only when a run has GRPO
-
     valid = [*REWARDS, "reward_model"]
     for name in cfg.grpo.rewards:
         if name not in valid:
