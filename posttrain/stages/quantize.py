@@ -90,8 +90,6 @@ def format_error_table(originals: dict) -> dict[str, dict]:
 
 
 def main(cfg, run: StageRun) -> dict:
-    # torch, transformers and the quantizers (compressed-tensors, bitsandbytes) load when the stage runs, not when
-    # the pipeline imports its stages.
     import torch
     from transformers import AutoModelForCausalLM
 
