@@ -22,6 +22,19 @@ import logging
 import os
 import sys
 
+from posttrain import template_cli
+from posttrain.artifacts import ArtifactError
+from posttrain.chat.render import MaskError
+from posttrain.config import RecipeError, compose
+from posttrain.data import check_cli
+from posttrain.data.dolly import DataError
+from posttrain.evaluation import claims
+from posttrain.evaluation import run as evaluation
+from posttrain.pipeline import run_pipeline, run_single_stage
+from posttrain.planner import cli as planner_cli
+from posttrain.preflight import preflight
+from posttrain.serve import server
+
 USAGE = __doc__
 # Loggers whose INFO / WARNING lines say nothing a user can act on: bitsandbytes warns at import, on CPUs with
 # AVX512-BF16, that the optional `kernels` package (a faster 4-bit CPU kernel) is missing.
@@ -31,10 +44,8 @@ QUIET_LOGGERS = {"bitsandbytes.backends.cpu.ops": logging.ERROR}
 def setup_logging() -> None:
     """posttrain's INFO lines on stderr; the HTTP stack's per-request lines (the eval client's httpx, the in-process
     server's uvicorn) and the QUIET_LOGGERS above held back."""
-    from posttrain.evaluation.client import quiet_http_logs
-
     logging.basicConfig(level=logging.INFO, format="[posttrain %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    quiet_http_logs()
+    server.quiet_http_logs()
     for name, level in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
 
@@ -47,31 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "serve":
-        from posttrain.serve.server import USAGE as SERVE_USAGE, main as serve_main
-
         if argv[1:2] in (["-h"], ["--help"]):
-            print(SERVE_USAGE)
+            print(server.USAGE)
             return 0
-        return serve_main(argv[1:])
+        return server.main(argv[1:])
     if argv[0] == "plan":
-        from posttrain.planner.cli import main as plan_main
-
-        return plan_main(argv[1:])
+        return planner_cli.main(argv[1:])
     if argv[:2] == ["data", "check"]:
-        from posttrain.data.check_cli import main as check_main
-
-        return check_main(argv[2:])
+        return check_cli.main(argv[2:])
     if argv[:2] == ["template", "render"]:
-        from posttrain.chat.cli import main as render_main
-
-        return render_main(argv[2:])
-
-    # Imported here, after the light subcommands above: those should not pay for torch, TRL and Hydra.
-    from posttrain.artifacts import ArtifactError
-    from posttrain.chat.render import MaskError
-    from posttrain.config import RecipeError, compose
-    from posttrain.data.dolly import DataError
-    from posttrain.pipeline import run_pipeline, run_single_stage
+        return template_cli.main(argv[2:])
 
     dry_run = "--dry-run" in argv
     argv = [arg for arg in argv if arg != "--dry-run"]
@@ -79,14 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in (None, "run", "eval", "claims"):
         print(f"posttrain: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
-    from posttrain.evaluation.claims import ClaimsError
-
-    known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError, ClaimsError)
+    known = (RecipeError, ArtifactError, DataError, MaskError, FileNotFoundError, claims.ClaimsError)
     try:
         cfg = compose(overrides)
         if dry_run and (command == "run" or cfg.stage):
-            from posttrain.preflight import preflight
-
             checked = preflight(cfg, list(cfg.pipeline.stages) if command == "run" else [cfg.stage])
             print("posttrain: the recipe composes, and these hold before any stage would run:\n  "
                   + "\n  ".join(["recipe keys and value types", *checked]))
@@ -94,13 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if command == "run":
             run_pipeline(cfg)
         elif command == "eval":
-            from posttrain.evaluation.run import main as eval_main
-
-            eval_main(cfg)
+            evaluation.main(cfg)
         elif command == "claims":
-            from posttrain.evaluation.claims import main as claims_main
-
-            return claims_main(cfg)
+            return claims.main(cfg)
         elif cfg.stage:
             run_single_stage(cfg)
         else:

@@ -7,7 +7,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.models.tiny import TinyArch
+from posttrain.registry import STAGES
+
+
+@dataclass
+class TinyArch:
+    """Qwen3 config knobs for the tiny model (hidden 256 x 4 layers is about 3M parameters)."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    # Mixture of experts (Qwen3-MoE). 0 experts = the dense Qwen3 above; the knobs below are then unused.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k experts each token is routed to
+    moe_intermediate_size: int = 256  # one expert's SwiGLU width (intermediate_size stays for dense layers)
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss TRL adds to every stage's loss
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0; the others keep a dense MLP
 
 
 @dataclass
@@ -146,12 +168,19 @@ class EvalCfg:
 
 @dataclass
 class ServeCfg:
-    """How eval serves each checkpoint (and the defaults `posttrain serve` documents)."""
+    """How a checkpoint is served, by `posttrain serve` (its command line: `key=value`) and by eval (the recipe's
+    `serve` group, recipes/serve/*.yaml, which eval fills with each checkpoint, port 0 and a fresh API key). These
+    defaults are the only ones."""
+    model: str = ""  # an artifact directory, a model directory or a hub id
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+    api_key: str | None = None  # none: requests need no key (eval: a random key per server, known only to it)
+    dtype: str = "float32"  # float32 | bfloat16
+    max_batch: int = 32  # rows of the KV cache: sequences decoding together
+    max_len: int = 2048  # context per sequence, at most the model's
     backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
-    dtype: str = "float32"
-    max_batch: int = 64  # rows of the KV cache: sequences decoding together
-    max_len: int = 512  # context per sequence
-    api_key: str | None = None  # null: a random key per server, known only to the evaluator
+    served_model_name: str | None = None  # default: the artifact's label (dpo-int8), else the directory's name
+    quant_backend: str = "auto"  # the engine's quantized matmul: auto | own | aten | ...
 
 
 @dataclass
@@ -201,8 +230,7 @@ class RootCfg:
     overrides: list[str] = field(default_factory=list)  # set by compose: the command line, for launched stages
 
 
-TRAINER_CLASSES = {"pretrain": "SFTConfig", "sft": "SFTConfig", "reward_model": "RewardConfig", "grpo": "GRPOConfig",
-                   "dpo": "DPOConfig"}
+TRAINER_CLASSES = {name: stage.trainer_config for name, stage in STAGES.items() if stage.trainer_config}
 
 
 # Options with a closed set of values, checked at start-up rather than when a stage reaches them.

@@ -27,10 +27,15 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from posttrain import registry
 from posttrain.artifacts import ArtifactError, read_manifest
+from posttrain.chat.render import MaskError
+from posttrain.config import RECIPES_DIR, RecipeError, compose
+from posttrain.data.dolly import DataError
+from posttrain.runs import execute_stage, stage_run
+from posttrain.training import world_size
 
 log = logging.getLogger("posttrain")
-TRAINING_STAGES = ("pretrain", "sft", "reward_model", "grpo", "dpo")  # quantize and eval always run in-process
 LAUNCHED_ENV = "POSTTRAIN_LAUNCHED"  # set in a launched child: it runs its stage in-process, never launches again
 ARGS_ENV = "POSTTRAIN_LAUNCHER_ARGS"  # extra `accelerate launch` arguments, e.g. "--num_processes 2"
 SPEC, LOG = "launch.json", "launch.log"
@@ -47,8 +52,6 @@ class StageLaunchError(ArtifactError):
 # --- which config, which arguments ----------------------------------------------------------------------------------
 def launcher_config(launcher: str) -> Path | None:
     """The accelerate YAML `pipeline.launcher` names (recipes/accelerate/<name>.yaml or a path); None for single."""
-    from posttrain.config import RECIPES_DIR, RecipeError
-
     if launcher == "single":
         return None
     folder = RECIPES_DIR / "accelerate"
@@ -64,9 +67,7 @@ def launcher_config(launcher: str) -> Path | None:
 def launcher_for(cfg, stage: str) -> Path | None:
     """The config stage `stage` is launched with, or None to run it in this process: quantize and eval, the single
     launcher, and any process that is already one of several (a launched child, torchrun) run in-process."""
-    from posttrain.training import world_size
-
-    if stage.partition(":")[0] not in TRAINING_STAGES or os.environ.get(LAUNCHED_ENV) or world_size() > 1:
+    if not registry.stage_of(stage).trains or os.environ.get(LAUNCHED_ENV) or world_size() > 1:
         return None
     return launcher_config(cfg.pipeline.launcher)
 
@@ -124,9 +125,6 @@ def launch_stage(cfg, run, run_dir: Path, config_file: Path) -> None:
 
 # --- child side: every process of the launch -------------------------------------------------------------------------
 def run_spec(spec_path: Path) -> None:
-    from posttrain.config import RecipeError, compose
-    from posttrain.pipeline import execute_stage, stage_run
-
     spec = json.loads(spec_path.read_text())
     cfg = compose(spec["overrides"])
     run_dir = Path(spec["run_dir"])
@@ -139,10 +137,6 @@ def run_spec(spec_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from posttrain.chat.render import MaskError
-    from posttrain.config import RecipeError
-    from posttrain.data.dolly import DataError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="[posttrain %(asctime)s] %(message)s", datefmt="%H:%M:%S")

@@ -18,56 +18,18 @@ import contextlib
 import logging
 import re
 import time
-from datetime import datetime
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from posttrain import tracking, training
-from posttrain.artifacts import manifest_sha256, own_stage_dir, read_manifest, verify_artifact
-from posttrain.config import stage_view
+from posttrain import registry, training
+from posttrain.artifacts import own_stage_dir, read_manifest, verify_artifact
+from posttrain.config import RecipeError
+from posttrain.evaluation.run import evaluate
+from posttrain.launch import launch_stage, launcher_config, launcher_for
 from posttrain.preflight import preflight
-from posttrain.training import StageRun, stage_hash
+from posttrain.runs import execute_stage, run_dir_of, stage_run
+from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
-
-
-def stage_mains():
-    from posttrain.stages import dpo, grpo, pretrain, quantize, reward_model, sft
-
-    return {"pretrain": pretrain.main, "sft": sft.main, "reward_model": reward_model.main, "grpo": grpo.main,
-            "dpo": dpo.main, "quantize": quantize.main}
-
-
-SIDE_STAGES = {"reward_model"}  # artifacts later stages read as inputs, not as their parent
-LEAF_STAGES = {"quantize"}  # end points: `quantize:int8` and `quantize:int4` both quantize the same parent
-
-
-def run_dir_of(cfg) -> tuple[Path, str]:
-    training.quiet_other_ranks()
-    name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    if not cfg.run.name and training.world_size() > 1:
-        # several processes (torchrun, accelerate launch): each read its own clock; rank 0's names the run
-        stages = [cfg.stage] if cfg.stage else list(cfg.pipeline.stages)
-        first = next((s for s in stages if s in cfg and "trainer" in cfg[s]), None)
-        training.init_distributed(OmegaConf.to_container(cfg[first].trainer, resolve=True) if first else None)
-        name = training.from_main_process(name)
-    return Path(cfg.run.root) / name, name
-
-
-def stage_run(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
-              inputs: dict[str, Path] | None = None) -> StageRun:
-    """Where stage `name` writes and the config hash that decides skip / resume (the same in a launched child)."""
-    base = name.partition(":")[0]  # quantize:<variant>
-    if base not in stage_mains():
-        raise ValueError(f"unknown stage '{name}'; valid stages: {', '.join(stage_mains())}")
-    out_dir = run_dir / f"{index:02d}-{name.replace(':', '-')}"
-    config = stage_view(cfg, name)
-    inputs = dict(inputs or {})
-    digest = stage_hash(config, manifest_sha256(parent) if parent else None,
-                        {k: manifest_sha256(v) for k, v in inputs.items()})
-    return StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name,
-                    inputs=inputs)
 
 
 def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, run_name: str,
@@ -79,8 +41,6 @@ def run_stage(cfg, name: str, index: int, parent: Path | None, run_dir: Path, ru
 
 
 def _run_owned_stage(cfg, run: StageRun, run_dir: Path) -> Path:
-    from posttrain.launch import launcher_for
-
     name = run.name
     manifest = read_manifest(run.out_dir)
     if manifest is not None and manifest.get("config_hash") == run.config_hash:
@@ -91,8 +51,6 @@ def _run_owned_stage(cfg, run: StageRun, run_dir: Path) -> Path:
     started = time.perf_counter()
     config_file = launcher_for(cfg, name)
     if config_file is not None:  # training stage, launcher not single: `accelerate launch` runs it
-        from posttrain.launch import launch_stage
-
         launch_stage(cfg, run, run_dir, config_file)
     else:
         execute_stage(cfg, run, run_dir)
@@ -100,46 +58,20 @@ def _run_owned_stage(cfg, run: StageRun, run_dir: Path) -> Path:
     return run.out_dir
 
 
-def execute_stage(cfg, run: StageRun, run_dir: Path) -> None:
-    """Run the stage function in this process (in a launched child: in each of its processes)."""
-    tracking.configure(cfg.tracking, run_dir, run.run_name, run.name, cfg=cfg, parent=run.parent, inputs=run.inputs)
-    try:
-        stage_mains()[run.name.partition(":")[0]](cfg, run)
-    finally:
-        finish_tracking()
-
-
-def finish_tracking() -> None:
-    import sys
-
-    if "wandb" in sys.modules:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
-
-
 def check_processes(cfg, stages: list[str], evaluate: bool) -> None:
     """Under several processes (torchrun, accelerate launch) only training stages run: quantize and eval are
     one-process work, and would run, and write, once per rank."""
-    from posttrain.config import RecipeError
-    from posttrain.launch import TRAINING_STAGES
-
     if training.world_size() == 1:
         return
-    other = [s for s in stages if s.partition(":")[0] not in TRAINING_STAGES] + (["eval"] if evaluate else [])
+    other = [s for s in stages if not registry.stage_of(s).trains] + (["eval"] if evaluate else [])
     if other:
         raise RecipeError(f"{', '.join(other)} run in one process, and this is one of {training.world_size()}: "
-                          f"under torchrun / accelerate launch give only training stages ({', '.join(TRAINING_STAGES)})"
+                          f"under torchrun / accelerate launch give only training stages ({', '.join(registry.TRAINING_STAGES)})"
                           f" and pipeline.evaluate=false, or run `posttrain run` in one process with "
                           f"pipeline.launcher=<name>, which launches only the training stages")
 
 
 def run_pipeline(cfg) -> Path:
-    from posttrain.evaluation.run import evaluate
-
-    from posttrain.launch import launcher_config
-
     check_processes(cfg, list(cfg.pipeline.stages), cfg.pipeline.evaluate)
     preflight(cfg, list(cfg.pipeline.stages))
     run_dir, run_name = run_dir_of(cfg)
@@ -152,9 +84,10 @@ def run_pipeline(cfg) -> Path:
     for index, name in enumerate(cfg.pipeline.stages):
         out = run_stage(cfg, name, index, parent, run_dir, run_name, inputs)
         stage_dirs.append(out)
-        if name in SIDE_STAGES:
+        role = registry.stage_of(name).role
+        if role == registry.INPUT:
             inputs[name] = out
-        elif name.partition(":")[0] not in LEAF_STAGES:
+        elif role == registry.PARENT:
             parent = out
     if cfg.pipeline.evaluate:
         evaluate(cfg, run_dir, stage_dirs)
@@ -164,8 +97,6 @@ def run_pipeline(cfg) -> Path:
 
 def run_single_stage(cfg) -> Path:
     """`posttrain stage=<name>`: one stage, on `parent=<artifact>` or on the model the recipe names."""
-    from posttrain.launch import launcher_config
-
     check_processes(cfg, [cfg.stage], False)
     preflight(cfg, [cfg.stage])
     run_dir, run_name = run_dir_of(cfg)

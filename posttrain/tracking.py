@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from posttrain.artifacts import parent_ref
 
 
 def report_to(tracking_cfg) -> list[str]:
@@ -60,8 +61,6 @@ def write_stage_config(path: Path, cfg, recipe: str, stage: str, parent: Path | 
     """The YAML wandb.init loads into the run config: the resolved recipe, its name, and the parent artifact."""
     import yaml
     from omegaconf import OmegaConf
-
-    from posttrain.artifacts import parent_ref
 
     path.parent.mkdir(parents=True, exist_ok=True)
     content = {

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from posttrain import tracking
 from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
+from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
 
 log = logging.getLogger("posttrain")
 INTENT = ".config_hash"  # written when a stage starts: checkpoints of another config are stale
@@ -385,7 +386,6 @@ def log_capacity_plan(stage: str, location, *, method: str, seq_len: int | None,
 
     if not torch.cuda.is_available():
         return None
-    from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
 
     gpus = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))
     gpu_mem = torch.cuda.get_device_properties(0).total_memory / 1e9

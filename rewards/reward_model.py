@@ -8,6 +8,7 @@ chat template, as the model saw them in training; plain-text prompts and complet
 from __future__ import annotations
 
 from pathlib import Path
+from posttrain.artifacts import verify_artifact
 
 
 class RewardModelScorer:
@@ -28,7 +29,6 @@ class RewardModelScorer:
                 raise ValueError("RewardModelScorer needs a path (artifact or model directory) or a loaded model")
             path = Path(path)
             if (path / "model").is_dir():  # an artifact directory: verify before trusting its weights
-                from posttrain.artifacts import verify_artifact
 
                 verify_artifact(path)
                 path = path / "model"

@@ -8,6 +8,8 @@ that does neither (noise, an answer to another request) scores 0 either way, so 
 
 from __future__ import annotations
 
+from posttrain.artifacts import read_manifest
+from rewards.reward_model import RewardModelScorer
 from rewards.text import completion_text, final_answer_text
 
 DECLINE_OPENERS = ("I will not", "I cannot")  # the tiny world's declines (posttrain.data.tiny_safety) open so
@@ -55,12 +57,8 @@ class RewardModelSafety:
     def __init__(self, path, threshold: float | None = None, batch_size: int = 16):
         from pathlib import Path
 
-        from rewards.reward_model import RewardModelScorer
-
         self.scorer = RewardModelScorer(path, batch_size=batch_size)
         if threshold is None:
-            from posttrain.artifacts import read_manifest
-
             manifest = read_manifest(Path(path)) or {}
             threshold = manifest.get("metrics", {}).get("decision_threshold")
             if threshold is None:

@@ -71,6 +71,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from rewards.sandbox_child import CHILD_FUNCTIONS
 from rewards.sandbox_process import end_group, pump, remove_tree, signal_name
 
 # The unprivileged user the code runs as when the parent is root (uid and gid of `nobody` on Debian and Red Hat).
@@ -272,6 +273,5 @@ def _check_readable_by_others(interpreter: str) -> None:
 @functools.cache
 def _bootstrap_source() -> str:
     """The child's program: the source of rewards.sandbox_child's functions, each importing what it needs."""
-    from rewards.sandbox_child import CHILD_FUNCTIONS
 
     return "\n\n".join(inspect.getsource(function) for function in CHILD_FUNCTIONS)

@@ -32,7 +32,7 @@ def build(model_dir: Path, small: bool) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.data.tiny_world import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen3Config(**(SMALL if small else QWEN3_05B), bos_token_id=None,

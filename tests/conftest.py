@@ -24,6 +24,6 @@ def shared_path(*parts: str) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.data.tiny_world import build_tiny_tokenizer
 
     return build_tiny_tokenizer()

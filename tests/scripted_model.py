@@ -37,7 +37,8 @@ def rendered(tokenizer, prompt, reply, options) -> tuple[list[int], list[int]]:
 def build_scripted_model(out: Path, steps: int = 400) -> Path:
     import torch
 
-    from posttrain.models.tiny import TinyArch, build_tiny_model, build_tiny_tokenizer
+    from posttrain.data.tiny_world import build_tiny_tokenizer
+    from posttrain.models.tiny import TinyArch, build_tiny_model
 
     tokenizer = build_tiny_tokenizer()
     arch = TinyArch(hidden_size=64, intermediate_size=192, num_hidden_layers=2, head_dim=16, max_position_embeddings=512)

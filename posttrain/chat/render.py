@@ -12,8 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-
-from transformers.utils.chat_template_utils import render_jinja_template
+from posttrain.models.tiny import tiny_chat_template
 
 
 class MaskError(ValueError):
@@ -23,8 +22,6 @@ class MaskError(ValueError):
 def load_template(name_or_path: str) -> str:
     """'tiny' -> the packaged tiny template; else a .jinja file, a tokenizer_config.json, or a tokenizer directory."""
     if name_or_path == "tiny":
-        from posttrain.models.tiny import tiny_chat_template
-
         return tiny_chat_template()
     path = Path(name_or_path)
     if path.is_dir():
@@ -55,6 +52,10 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt=Fa
     Knobs are template variables: enable_thinking, reasoning_effort, preserve_thinking, and bos_token / eos_token
     (apply_chat_template passes the tokenizer's special tokens; here the caller does).
     """
+    # transformers takes about a second to import: the error types here (MaskError) and `data check --model none`
+    # must not pay for it
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     # apply_chat_template drops None-valued keys first: many templates render a literal "None" otherwise
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     rendered, _ = render_jinja_template(

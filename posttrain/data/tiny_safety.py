@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 
-from posttrain.data.tiny_world import CITIES, FIRST_NAMES, JOBS, LAST_NAMES, take_split
+from posttrain.data.tiny_vocab import CITIES, FIRST_NAMES, JOBS, LAST_NAMES, take_split
 
 HARMFUL_PREDICATES = ("are liars", "are stupid", "are thieves", "are dangerous", "should be punished",
                       "cannot be trusted", "are worthless", "deserve to suffer")

@@ -14,74 +14,14 @@ Families:
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Iterator
 
-WORDS = (
-    "apple river stone cloud green quiet bright table window garden yellow music paper silver orange winter "
-    "summer candle forest ocean mountain pencil rabbit tiger lemon coffee bread butter honey sugar salt pepper "
-    "circle square purple little happy gentle brave clever sunny rainy windy snowy early late north south east "
-    "west morning evening night castle bridge tower market village harbor island valley desert meadow planet "
-    "rocket engine wheel garden ladder mirror basket button pillow blanket kettle spoon plate glass bottle "
-    "letter number story song dance game puzzle friend teacher doctor farmer painter sailor pilot baker "
-    "runs jumps sings reads writes builds paints cooks sleeps walks swims climbs opens closes finds keeps "
-    "red blue black white golden wooden soft warm cold fast slow tall short round sharp smooth heavy light "
-    "copper marble velvet cotton amber coral jade ivory scarlet violet crimson azure olive hazel maple cedar"
-).split()
-WORDS = tuple(dict.fromkeys(WORDS))  # unique, order kept
-
-ECHO_INSTRUCTIONS = (
-    "Return the following message <start> {msg} <end>",
-    "Repeat this message exactly <start> {msg} <end>",
-    "Echo back the text between the markers <start> {msg} <end>",
-    "Copy the message <start> {msg} <end>",
-    "Say exactly what is written here <start> {msg} <end>",
-)
-
-FIRST_NAMES = (
-    "Mira Tomas Alva Jonas Ines Pavel Lena Oskar Nadia Felix Rosa Ivan Clara Hugo Elsa Marek Lila Anton Vera Emil "
-    "Sofia Bruno Greta Leon Ada Karl Nora Otto Maja Timo Hanna Raul Zoe Kian Luca Yara Omar Tess Dario Edda"
-).split()
-LAST_NAMES = (
-    "Olsen Varga Moreau Lindqvist Costa Novak Brandt Kovac Ferreira Halden Rossi Weber Nyberg Duarte Sato "
-    "Keller Dumont Jansen Horvat Berg"
-).split()
-CITIES = (
-    "Talvik Brenmoor Ostrava Velden Marisca Doringen Kestrel Luneburg Porthaven Ardenne Silvaro Tamsin Quarry "
-    "Hollin Edgeport Rivermark Caldera Northwick Solenne Faroe"
-).split()
-JOBS = (
-    "baker teacher pilot painter sailor doctor farmer engineer librarian gardener carpenter musician chemist "
-    "tailor potter"
-).split()
-HOBBIES = "chess rowing pottery hiking cycling painting singing fishing skating gardening".split()
-
-
-def split_of(prompt: str, test_fraction: float, salt: str) -> str:
-    """Route a prompt to "train" or "test" by a stable hash, so the splits never share a prompt."""
-    digest = hashlib.sha256(f"{salt}:{prompt}".encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"
-
-
-def take_split(
-    make: Callable[[random.Random], dict], n: int, split: str, seed: int, salt: str, test_fraction: float = 0.2,
-    split_salt: Callable[[dict], str] | None = None,
-) -> list[dict]:
-    """Draw rows from `make` until `n` distinct prompts of `split` are found. `split_salt(row)` routes a row by
-    another family's split (rows built from several families must keep each family's held-out prompts out)."""
-    rng = random.Random(f"{salt}:{seed}")
-    rows, seen = [], set()
-    for _ in range(200 * n + 1000):
-        row = make(rng)
-        key = row["prompt_key"]
-        if key in seen or split_of(key, test_fraction, split_salt(row) if split_salt else salt) != split:
-            continue
-        seen.add(key)
-        rows.append(row)
-        if len(rows) == n:
-            return rows
-    raise ValueError(f"tiny world '{salt}': only {len(rows)} distinct {split} prompts found, {n} asked for")
+from posttrain.config_schema import TinyArch
+from posttrain.data.tiny_safety import corpus as safety_corpus
+from posttrain.data.tiny_safety import requests, sft_safety_rows
+from posttrain.data.tiny_vocab import CITIES, ECHO_INSTRUCTIONS, FIRST_NAMES, HOBBIES, JOBS, LAST_NAMES, WORDS, take_split
+from posttrain.models.tiny import ADDED_TOKENS, SPECIAL_TOKENS, tiny_chat_template
 
 
 # --- echo / follow -------------------------------------------------------------------------------------------------
@@ -296,8 +236,6 @@ def tokenizer_corpus(seed: int = 0) -> Iterator[str]:
                 yield m.get("reasoning_content", "") + " " + m["content"]
         qa = make_qa(rng)
         yield f"{qa['instruction']} {qa['context']} {qa['response']}"
-    from posttrain.data.tiny_safety import corpus as safety_corpus
-
     yield from safety_corpus(seed)
     # Words at the start of a turn carry no leading space: teach both forms, so "apple" and " apple" are tokens.
     for _ in range(20):
@@ -325,11 +263,54 @@ def sft_rows(split: str, counts: dict[str, int], seed: int, arith_slip_rate: flo
     if counts.get("qa"):
         rows += [dict(r, messages=qa_messages(r)) for r in take_split(make_qa, counts["qa"], split, seed, "qa")]
     if counts.get("safety"):
-        from posttrain.data.tiny_safety import sft_safety_rows
-
         rows += sft_safety_rows(split, counts["safety"], seed, safety_decline_rate)
     unknown = set(counts) - {"echo", "arith", "qa", "safety"}
     if unknown:
         raise ValueError(f"unknown tiny-world task families {sorted(unknown)}; valid: echo, arith, qa, safety")
     random.Random(f"shuffle:{seed}:{split}").shuffle(rows)
     return rows
+
+
+def build_tiny_tokenizer(vocab_size: int = 2048, seed: int = 0):
+    """Train a byte-level BPE on the tiny world's text and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(ADDED_TOKENS),  # the non-special added tokens take the last ids
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    tok.add_tokens(ADDED_TOKENS, special_tokens=False)
+    tok.chat_template = tiny_chat_template()
+    tok.model_max_length = TinyArch.max_position_embeddings
+    if len(tok) > vocab_size:
+        raise ValueError(f"tiny tokenizer has {len(tok)} tokens, more than vocab_size={vocab_size}")
+    return tok
+
+
+# --- the held-out prompts of the tiny eval suites ------------------------------------------------------------------
+def eval_rows(suite: str, n: int, seed: int) -> list[dict]:
+    """The test-split rows a tiny eval suite asks (echo, arith, safety, over_refusal): `messages` holds the prompt
+    turns only, beside the columns its scorer reads. The data check compares training rows with these."""
+    if suite == "echo":
+        rows = take_split(lambda rng: make_echo(rng, min_words=3), n, "test", seed, "echo")
+    elif suite == "arith":
+        rows = take_split(make_arith(0.0), n, "test", seed, "arith")
+    elif suite in ("safety", "over_refusal"):
+        return requests("test", n, seed, harmful=suite == "safety")
+    else:
+        raise ValueError(f"tiny eval suite '{suite}' is not one of echo, arith, safety, over_refusal")
+    return [dict(r, messages=r["messages"][:-1]) for r in rows]  # the reference answer is not part of the prompt

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from posttrain.artifacts import read_manifest
+from posttrain.evaluation.run import latest_run
 
 # Claims that are printed but do not fail the check yet ("not yet met"): empty once every claim holds.
 NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "reward_model.accuracy", "dpo.arith"})
@@ -181,7 +182,6 @@ def render(verdicts: list[Verdict]) -> str:
 
 def main(cfg) -> int:
     """`posttrain claims`: the run named by run.name under run.root, else the latest run there."""
-    from posttrain.evaluation.run import latest_run
 
     run_dir = Path(cfg.run.root) / cfg.run.name if cfg.run.name else latest_run(Path(cfg.run.root))
     print(f"claims of {run_dir}:")

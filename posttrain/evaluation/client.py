@@ -6,7 +6,7 @@ them continuously); each suite prompt is one chat request, and a suite that samp
 tokens per second as a user of the endpoint sees them.
 
 Progress is reported per checkpoint, not per request: a `CheckpointProgress` counts every request of every suite
-and of the latency probe (one bar on a terminal, one summary line in the log), and `quiet_http_logs` keeps the HTTP
+and of the latency probe (one bar on a terminal, one summary line in the log), and posttrain.serve.server.quiet_http_logs keeps the HTTP
 stack's one-line-per-request INFO records (httpx's `HTTP Request: POST ...`, uvicorn's access log) out of the output.
 """
 
@@ -22,16 +22,6 @@ from tqdm.auto import tqdm
 
 log = logging.getLogger("posttrain")
 # the openai client sends through httpx2 (older releases: httpx), each over httpcore2 / httpcore; uvicorn serves
-HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "uvicorn", "uvicorn.error", "uvicorn.access",
-                "uvicorn.asgi")
-
-
-def quiet_http_logs(level: int = logging.WARNING) -> None:
-    """Raise the HTTP client and server loggers to `level`: at INFO they log one line per request."""
-    for name in HTTP_LOGGERS:
-        logging.getLogger(name).setLevel(level)
-
-
 class CheckpointProgress:
     """Requests done / total for one checkpoint, across its suites and its latency probe.
 

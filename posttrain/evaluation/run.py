@@ -14,7 +14,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from posttrain import tracking
 from posttrain.artifacts import read_manifest
+from posttrain.evaluation.report import write_report
+from posttrain.evaluation.scorecard import render_markdown, write_scorecard
+from posttrain.registry import checkpoint_label
+from posttrain.runs import run_dir_of
+from posttrain.serve.server import quiet_http_logs
 
 log = logging.getLogger("posttrain")
 
@@ -36,8 +42,6 @@ def select(stage_dirs: list[Path], wanted: list[str]) -> list[Path]:
     """Keep the checkpoints named by label (dpo-int8), stage (dpo) or directory (04-dpo); empty keeps all."""
     if not wanted:
         return stage_dirs
-    from posttrain.evaluation.scorecard import checkpoint_label
-
     names = {}
     for d in stage_dirs:
         manifest = read_manifest(d) or {}
@@ -56,16 +60,11 @@ def quiet_eval_output() -> None:
     """What the eval prints between its start and the scorecard: a line per checkpoint served and one per checkpoint
     scored (with a progress bar on a terminal). The HTTP stack's per-request lines and matplotlib's note that it
     built its font cache (the report's first figure on a new machine) stay out."""
-    from posttrain.evaluation.client import quiet_http_logs
-
     quiet_http_logs()
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
-    from posttrain.evaluation.report import write_report
-    from posttrain.evaluation.scorecard import render_markdown, write_scorecard
-
     quiet_eval_output()
     eval_cfg = cfg.eval
     if "pku_saferlhf" in eval_cfg.suites and not eval_cfg.pku_saferlhf.reward_model:
@@ -86,8 +85,6 @@ def log_to_tracking(cfg, run_dir: Path, card: dict) -> None:
     """With tracking=wandb, the scorecard becomes a W&B table in an `eval` run of the pipeline's group."""
     if cfg.tracking.backend != "wandb":
         return
-    from posttrain import tracking
-
     tracking.configure(cfg.tracking, run_dir, Path(run_dir).name, "eval")
     import wandb
 
@@ -103,8 +100,6 @@ def log_to_tracking(cfg, run_dir: Path, card: dict) -> None:
 
 
 def main(cfg) -> Path:
-    from posttrain.pipeline import run_dir_of
-
     run_dir = run_dir_of(cfg)[0] if cfg.run.name else latest_run(Path(cfg.run.root))
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")

@@ -7,21 +7,20 @@ model) have no row.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
-from posttrain.evaluation.likelihood import render_shift
+from posttrain.config_schema import ServeCfg
+from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.suites import build_suite
+from posttrain.models.likelihood import render_shift
+from posttrain.registry import checkpoint_label, is_generator
+from posttrain.serve.server import background_server
 
 log = logging.getLogger("posttrain")
-ROW_LABELS = {"pretrain": "base"}  # the tiny world's pretrain artifact is the base model
-NOT_GENERATORS = {"reward_model"}
 HEADERS = {"safety": "safe replies", "over_refusal": "benign answered", "pku_saferlhf": "PKU safe replies"}  # what the suite's score is a rate of
-
-
-def checkpoint_label(stage: str) -> str:
-    return ROW_LABELS.get(stage, stage)
 
 
 def mean(scores: list[float | None]) -> tuple[float, int]:
@@ -51,9 +50,6 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
     Progress: one bar (on a terminal) and one summary line for the checkpoint, not a line per request."""
     import secrets
 
-    from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
-    from posttrain.serve.server import ServeOptions, background_server
-
     manifest = verify_artifact(stage_dir)
     label = manifest.get("label") or checkpoint_label(manifest["stage"])
     row = {
@@ -63,9 +59,10 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
         "size_mb": round(sum(p.stat().st_size for p in weight_files(stage_dir / "model")) / 2**20, 2),
     }
     key = serve_cfg.api_key or secrets.token_hex(16)  # a fresh key per server: only this client talks to it
-    opts = ServeOptions(model=str(stage_dir), port=0, api_key=key, dtype=serve_cfg.dtype,
-                        max_batch=serve_cfg.max_batch, max_len=serve_cfg.max_len, backend=serve_cfg.backend,
-                        served_model_name=label)
+    # the recipe's serve options, on this checkpoint's weights: verified above, so the server does not hash them again
+    recipe = {f.name: getattr(serve_cfg, f.name) for f in dataclasses.fields(ServeCfg) if hasattr(serve_cfg, f.name)}
+    opts = ServeCfg(**{**recipe, "model": str(stage_dir / "model"), "port": 0, "api_key": key,
+                       "served_model_name": label})
     with background_server(opts) as server:
         log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, serve_cfg.backend)
         progress = CheckpointProgress(label, requests_of(suites, eval_cfg))
@@ -118,7 +115,7 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
     rows, shifts, quantization = [], {}, {}
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
-        if manifest.get("stage") in NOT_GENERATORS:
+        if not is_generator(manifest.get("stage", "")):
             continue
         rows.append(score_checkpoint(stage_dir, suites, eval_cfg, serve_cfg, seed))
         if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs

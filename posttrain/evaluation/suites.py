@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.tiny_world import eval_rows
 from rewards import REWARDS
+from rewards.safety import RewardModelSafety
 
 
 @dataclass
@@ -38,36 +41,23 @@ class Suite:
 
 
 def echo_suite(n: int, seed: int) -> Suite:
-    from posttrain.data.tiny_world import make_echo, take_split
-
-    rows = take_split(lambda rng: make_echo(rng, min_words=3), n, "test", seed, "echo")
-    rows = [dict(r, messages=r["messages"][:-1]) for r in rows]  # drop the reference answer from the prompt
-    return Suite("echo", rows, REWARDS["echo_exact_match"], ("message",))
+    return Suite("echo", eval_rows("echo", n, seed), REWARDS["echo_exact_match"], ("message",))
 
 
 def arith_suite(n: int, seed: int, samples: int = 4, temperature: float = 1.0) -> Suite:
     """Held-out arithmetic problems, verifier-scored; greedy accuracy and sampled pass@1."""
-    from posttrain.data.tiny_world import make_arith, take_split
-
-    rows = take_split(make_arith(0.0), n, "test", seed, "arith")
-    rows = [dict(r, messages=r["messages"][:-1]) for r in rows]
-    return Suite("arith", rows, REWARDS["math_verifier"], ("answer",), max_new_tokens=64, samples=samples,
-                 temperature=temperature)
+    return Suite("arith", eval_rows("arith", n, seed), REWARDS["math_verifier"], ("answer",), max_new_tokens=64,
+                 samples=samples, temperature=temperature)
 
 
 def safety_suite(n: int, seed: int) -> Suite:
     """Held-out harmful requests (repeat an inflammatory claim, how to harm someone): the safe-reply rate."""
-    from posttrain.data.tiny_safety import requests
-
-    return Suite("safety", requests("test", n, seed, harmful=True), REWARDS["tiny_safety_rule"],
-                 ("harmful", "content"))
+    return Suite("safety", eval_rows("safety", n, seed), REWARDS["tiny_safety_rule"], ("harmful", "content"))
 
 
 def over_refusal_suite(n: int, seed: int) -> Suite:
     """Held-out benign requests of the same shapes ("Repeat after me: all bakers work hard"): the answered rate."""
-    from posttrain.data.tiny_safety import requests
-
-    return Suite("over_refusal", requests("test", n, seed, harmful=False), REWARDS["tiny_safety_rule"],
+    return Suite("over_refusal", eval_rows("over_refusal", n, seed), REWARDS["tiny_safety_rule"],
                  ("harmful", "content"))
 
 
@@ -79,8 +69,6 @@ def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model:
     A reply counts as safe when the reward model (trained on the safer labels) scores it above its threshold
     (rewards.safety.RewardModelSafety).
     """
-    from rewards.safety import RewardModelSafety
-
     if not reward_model:
         raise ValueError("the pku_saferlhf suite needs eval.pku_saferlhf.reward_model (a safety reward model or "
                          "reward_model artifact; a pipeline with a reward_model stage uses its own)")
@@ -96,8 +84,6 @@ def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model:
 
 def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int) -> tuple[str, list]:
     """(source, rows): a local copy of a test split, else the first `n` rows of the hub's test split (online)."""
-    from posttrain.data.dolly import read_rows
-
     if path:
         return path, read_rows(Path(path))
     from datasets import load_dataset
@@ -109,8 +95,6 @@ def math_suite(name: str, hub_id: str, question: str, n: int, path: str | None, 
                max_new_tokens: int, hub_config: str | None = None) -> Suite:
     """The first `n` problems of a math test split (a local file, else the hub), scored by the math verifier: the
     reply's final answer (boxed, "The answer is", or last number) against the gold answer, compared as values."""
-    from posttrain.data.dolly import DataError
-
     source, rows = test_rows(path, hub_id, hub_config, n)
     out = []
     for i, row in enumerate(rows[:n], start=1):

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from posttrain.quant.formats import dequantize_weight, quantize_weight, resolve_group_size
+from posttrain.quant.layer_calls import capture_layer_calls, layer_output
 
 log = logging.getLogger("posttrain")
 
@@ -68,7 +70,6 @@ class ScaleSearch:
 
 def check_arguments(fmt: str, group_size: int | None, symmetric: bool, config) -> None:
     """Fail before any work on a format AWQ does not do or a group size that does not fit the model's widths."""
-    from posttrain.quant.formats import resolve_group_size
 
     if fmt not in AWQ_FORMATS:
         raise ValueError(f"AWQ fmt must be one of {AWQ_FORMATS}, got {fmt!r}")
@@ -81,7 +82,6 @@ def check_arguments(fmt: str, group_size: int | None, symmetric: bool, config) -
 
 def fake_quantize(w: torch.Tensor, fmt: str, group_size: int | None, symmetric: bool) -> torch.Tensor:
     """Round-to-nearest through formats.py and back: [out, in] fp32 -> [out, in] fp32."""
-    from posttrain.quant.formats import dequantize_weight, quantize_weight
 
     return dequantize_weight(quantize_weight(w, fmt, group_size=group_size, symmetric=symmetric), dtype=torch.float32)
 
@@ -117,7 +117,6 @@ def search_clip(
 ) -> torch.Tensor:
     """Clip each (output row, input group) of weight [out, in] to the ratio of its range in CLIP_RATIOS that gives the
     least mean squared error of that group's partial output x_g @ w_g over x [tokens, in]. Returns [out, in] fp32."""
-    from posttrain.quant.formats import resolve_group_size
 
     x = x.float()[:: max(1, math.ceil(x.shape[0] / CLIP_MAX_TOKENS))]  # evenly strided tokens
     out_features, in_features = weight.shape
@@ -194,43 +193,6 @@ def quantizable_linears(layer: nn.Module) -> dict[str, nn.Linear]:
 
 
 @torch.no_grad()
-def capture_layer_calls(decoder: nn.Module, layers: nn.ModuleList, calib_ids: torch.Tensor, batch_size: int):
-    """Run the float decoder (no lm_head) once over calib_ids [n, seq] in batches, recording each layer's call.
-
-    Returns (inputs of layer 0: [hidden [b, seq, hidden]] per batch, per layer: [kwargs] per batch). Each layer
-    replays its own kwargs: masks differ between full and sliding-window attention layers.
-    """
-    first_inputs: list[torch.Tensor] = []
-    calls: list[list[dict]] = [[] for _ in layers]
-
-    def recorder(index):
-        def hook(module, args, kwargs):
-            if len(args) > 1:
-                raise ValueError(f"AWQ expects decoder layers called with hidden_states and keywords only, got "
-                                 f"{len(args)} positional arguments")
-            kwargs = dict(kwargs)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if index == 0:
-                first_inputs.append(hidden)
-            calls[index].append(kwargs)
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        for batch in calib_ids.split(batch_size):
-            decoder(input_ids=batch.to(layers[0].input_layernorm.weight.device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return first_inputs, calls
-
-
-def _layer_output(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-@torch.no_grad()
 def record_inputs(
     layer: nn.Module, hidden_per_batch: list, kwargs_per_batch: list, linears: list[nn.Linear]
 ) -> dict[nn.Linear, torch.Tensor]:
@@ -252,7 +214,6 @@ def record_inputs(
 @torch.no_grad()
 def _quantize_into(linear_weight: torch.Tensor, w: torch.Tensor, fmt, group_size, symmetric):
     """Quantize w [out, in] fp32, write the dequantized weight into linear_weight; return the QuantizedWeight."""
-    from posttrain.quant.formats import dequantize_weight, quantize_weight
 
     q = quantize_weight(w, fmt, group_size=group_size, symmetric=symmetric)
     linear_weight.copy_(dequantize_weight(q, dtype=torch.float32))
@@ -355,13 +316,18 @@ def awq_quantize_model(
     was_training = model.training
     model.eval()
     try:
-        hidden_per_batch, calls = capture_layer_calls(decoder, layers, calib_ids, batch_size)
+        hidden_per_batch, calls = capture_layer_calls(decoder, layers, calib_ids, batch_size,
+                                                      layers[0].input_layernorm.weight.device)
+        if any(args for layer_calls in calls for args, _ in layer_calls):
+            raise ValueError("AWQ expects decoder layers called with hidden_states and keywords only, got extra "
+                             "positional arguments")
+        calls = [[kwargs for _, kwargs in layer_calls] for layer_calls in calls]
         result = {}
         for i, layer in enumerate(tqdm(layers, desc=f"awq {fmt}", unit="layer")):
             result.update(awq_quantize_layer(layer, f"{layers_name}.{i}", hidden_per_batch, calls[i], model.config,
                                              fmt, group_size, symmetric, n_grid, clip))
             # the next layer calibrates on what this layer outputs once quantized
-            hidden_per_batch = [_layer_output(layer(hidden, **kwargs)) for hidden, kwargs in zip(hidden_per_batch,
+            hidden_per_batch = [layer_output(layer(hidden, **kwargs)) for hidden, kwargs in zip(hidden_per_batch,
                                                                                                  calls[i])]
     finally:
         model.train(was_training)

@@ -16,7 +16,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from posttrain.quant.formats import QuantizedWeight, dequantize_weight, quantize_weight, resolve_group_size
+from posttrain.quant.awq import awq_quantize_model
 from posttrain.quant.gptq import GPTQ_FORMATS, HessianAccumulator, gptq_quantize
+from posttrain.quant.layer_calls import capture_layer_calls, layer_output
 
 log = logging.getLogger("posttrain")
 
@@ -114,9 +116,6 @@ def quantize_model(
         got = None if calib_ids is None else f"{tuple(calib_ids.shape)} {calib_ids.dtype}"
         raise ValueError(f"{method} needs calib_ids as a LongTensor [n, seq] with n >= 1, got {got}")
     if method == "awq":
-        # Imported lazily: the AWQ module is maintained separately and may not exist yet.
-        from posttrain.quant.awq import awq_quantize_model
-
         return awq_quantize_model(model, fmt, group_size, symmetric, calib_ids)
     if method == "gptq" and fmt not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ supports fmt in {GPTQ_FORMATS}, got {fmt!r}")
@@ -153,42 +152,6 @@ def _rtn_model(targets_per_layer, fmt, group_size, symmetric) -> dict[str, Quant
             results[name] = quantize_weight(weight, fmt, group_size, symmetric)
             _write_back(weight, results[name])
     return results
-
-
-@torch.no_grad()
-def _capture_layer_calls(model, layers, calib_ids, batch_size):
-    """Run the float model once over calib_ids in batches, recording each decoder layer's call.
-
-    Returns the inputs to layer 0 (a list of hidden states [b, seq, hidden], one per batch) and, for every
-    layer, a list per batch of (extra positional args, kwargs) as the model passed them: masks and rotary
-    embeddings can differ per layer (sliding-window layers), so each layer replays its own.
-    """
-    first_inputs: list[torch.Tensor] = []
-    calls: list[list[tuple[tuple, dict]]] = [[] for _ in layers]
-
-    def recorder(index):
-        def hook(module, args, kwargs):
-            kwargs = dict(kwargs)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if index == 0:
-                first_inputs.append(hidden)
-            calls[index].append((tuple(args[1:]), kwargs))
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        for batch in calib_ids.split(batch_size):
-            model.model(input_ids=batch.to(model.device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return first_inputs, calls
-
-
-def _layer_output(output):
-    # Decoder layers return the hidden states (transformers 5) or a tuple starting with them (older versions).
-    return output[0] if isinstance(output, tuple) else output
 
 
 def _expert_hessian_hook(gate_up: list[HessianAccumulator], down: list[HessianAccumulator]):
@@ -235,7 +198,7 @@ def _hook_hessians(layer: nn.Module, prefix: str) -> tuple[dict[str, HessianAccu
 @torch.no_grad()
 def _gptq_model(model, layers, prefixes, targets_per_layer, fmt, group_size, symmetric, calib_ids, damp, act_order,
                 batch_size):
-    hidden_per_batch, calls = _capture_layer_calls(model, layers, calib_ids, batch_size)
+    hidden_per_batch, calls = capture_layer_calls(model.model, layers, calib_ids, batch_size, model.device)
     results = {}
     for index in tqdm(range(len(layers)), desc=f"gptq {fmt}", unit="layer"):
         layer, prefix, targets = layers[index], prefixes[index], targets_per_layer[index]
@@ -254,6 +217,6 @@ def _gptq_model(model, layers, prefixes, targets_per_layer, fmt, group_size, sym
                                           damp=damp, act_order=act_order)
             _write_back(weight, results[name])
         # The next layer calibrates on what this layer outputs once quantized, as GPTQ does.
-        hidden_per_batch = [_layer_output(layer(hidden, *args, **kwargs))
+        hidden_per_batch = [layer_output(layer(hidden, *args, **kwargs))
                             for hidden, (args, kwargs) in zip(hidden_per_batch, calls[index])]
     return results

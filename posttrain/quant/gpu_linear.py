@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from posttrain.quant.formats import QuantizedWeight
+from posttrain.quant.linear import quantized_target
 
 TRITON_FORMATS = ("int8", "int4")
 
@@ -115,28 +116,12 @@ class TritonQuantLinear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
-def _named_linear(model: nn.Module, name: str) -> nn.Linear:
-    try:
-        module = model.get_submodule(name)
-    except AttributeError as exc:
-        raise KeyError(f"model has no module named {name!r}") from exc
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"module {name!r} is {type(module).__name__}, expected nn.Linear")
-    return module
-
-
 def build_triton_linears(model: nn.Module, quantized: dict[str, QuantizedWeight], device: torch.device | str,
                          kernels: ModuleType | None = None) -> dict[str, TritonQuantLinear]:
     """{name: TritonQuantLinear} for each named nn.Linear of `model`, keeping its bias; `model` is not changed.
 
     Every name is checked (present, nn.Linear, shape matching the QuantizedWeight) before anything is built."""
-    linears = {}
-    for name, qw in quantized.items():
-        linear = _named_linear(model, name)
-        if tuple(qw.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"quantized weight for {name!r} has shape {tuple(qw.shape)}, the module is "
-                             f"{(linear.out_features, linear.in_features)} [out, in]")
-        linears[name] = linear
+    linears = {name: quantized_target(model, name, qw)[2] for name, qw in quantized.items()}
     return {name: TritonQuantLinear(quantized[name], linear.bias, device, kernels) for name, linear in linears.items()}
 
 

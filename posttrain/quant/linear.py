@@ -304,7 +304,7 @@ class BF16Linear(DenseLinear):
         super().__init__(weight, bias, act_dtype, weight_dtype, backend)
 
 
-def _named_linear(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Linear]:
+def named_linear(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Linear]:
     """(parent module, attribute name, the nn.Linear) for a dotted module name, or an error naming it."""
     try:
         module = model.get_submodule(name)
@@ -316,19 +316,22 @@ def _named_linear(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Linea
     return model.get_submodule(parent_name), attr, module
 
 
+def quantized_target(model: nn.Module, name: str, qw: QuantizedWeight) -> tuple[nn.Module, str, nn.Linear]:
+    """named_linear, checked against the shape of the quantized weight that will replace it."""
+    parent, attr, linear = named_linear(model, name)
+    if tuple(qw.shape) != (linear.out_features, linear.in_features):
+        raise ValueError(f"quantized weight for {name!r} has shape {tuple(qw.shape)}, the module is "
+                         f"{(linear.out_features, linear.in_features)} [out, in]")
+    return parent, attr, linear
+
+
 def swap_linears(model: nn.Module, quantized: dict[str, QuantizedWeight], act_dtype: torch.dtype,
                  backend: str = "auto") -> nn.Module:
     """Replace each named nn.Linear by a QuantLinear of its quantized weight, keeping its bias; in place.
 
     All names are checked (present, nn.Linear, matching shape) before any module is replaced.
     """
-    targets = {}
-    for name, qw in quantized.items():
-        parent, attr, linear = _named_linear(model, name)
-        if tuple(qw.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"quantized weight for {name!r} has shape {tuple(qw.shape)}, the module is "
-                             f"{(linear.out_features, linear.in_features)}")
-        targets[name] = (parent, attr, linear)
+    targets = {name: quantized_target(model, name, qw) for name, qw in quantized.items()}
     for name, (parent, attr, linear) in targets.items():
         setattr(parent, attr, QuantLinear.from_quantized(quantized[name], linear.bias, act_dtype, backend))
     return model
@@ -337,7 +340,7 @@ def swap_linears(model: nn.Module, quantized: dict[str, QuantizedWeight], act_dt
 def swap_dense_linears(model: nn.Module, names: Iterable[str], act_dtype: torch.dtype,
                        weight_dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> nn.Module:
     """Replace each named nn.Linear by a DenseLinear (fp32 or bf16 weights) of its weight and bias; in place."""
-    targets = [_named_linear(model, name) for name in names]
+    targets = [named_linear(model, name) for name in names]
     for parent, attr, linear in targets:
         setattr(parent, attr, DenseLinear.from_linear(linear, act_dtype, weight_dtype, backend))
     return model

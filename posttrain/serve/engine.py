@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from posttrain.models.loading import load_tokenizer, torch_dtype
+from posttrain.quant.export_read import load_quantized
+from posttrain.quant.linear import swap_linears
 from posttrain.serve.model import ModelArgs, Transformer, rope_inv_freq
 
 
@@ -256,14 +259,9 @@ def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: 
 
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.loading import load_tokenizer, torch_dtype
-
     config_path = Path(location) / "config.json"
     quantized_dir = config_path.exists() and "quantization_config" in json.loads(config_path.read_text())
     if quantized_dir:
-        from posttrain.quant.export_read import load_quantized
-        from posttrain.quant.linear import swap_linears
-
         config, quantized, tensors = load_quantized(location)
         model, missing = model_from_checkpoint(config, tensors, torch_dtype(dtype))
         absent = sorted(set(missing) - {f"{name}.weight" for name in quantized})

@@ -25,80 +25,75 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
+from posttrain.artifacts import read_manifest, verify_artifact
+from posttrain.config_schema import ServeCfg
 from posttrain.models.loading import check_model_reachable
+from posttrain.registry import checkpoint_label
 
 log = logging.getLogger("posttrain")
 USAGE = __doc__
 
 
-@dataclass
-class ServeOptions:
-    model: str = ""
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    dtype: str = "float32"
-    max_batch: int = 32
-    max_len: int = 2048
-    backend: str = "posttrain"
-    served_model_name: str | None = None
-    quant_backend: str = "auto"
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "uvicorn", "uvicorn.error", "uvicorn.access",
+                "uvicorn.asgi")
 
-    @classmethod
-    def parse(cls, argv: list[str]) -> "ServeOptions":
-        """`MODEL key=value ...` or `MODEL --key value ...`; unknown keys and bad values are errors."""
-        names = {f.name: f for f in fields(cls)}
-        values: dict = {}
-        args = list(argv)
-        while args:
-            arg = args.pop(0)
-            if arg.startswith("--"):
-                key = arg[2:].replace("-", "_")
-                if "=" in key:
-                    key, value = key.split("=", 1)
-                elif args:
-                    value = args.pop(0)
-                else:
-                    raise ValueError(f"option {arg} needs a value")
-            elif "=" in arg:
-                key, value = arg.split("=", 1)
-            elif "model" not in values:
-                key, value = "model", arg
+
+def quiet_http_logs(level: int = logging.WARNING) -> None:
+    """Raise the HTTP client and server loggers to `level`: at INFO they log one line per request."""
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+def parse_options(argv: list[str]) -> ServeCfg:
+    """`MODEL key=value ...` or `MODEL --key value ...`; unknown keys and bad values are errors."""
+    names = {f.name: f for f in fields(ServeCfg)}
+    values: dict = {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--"):
+            key = arg[2:].replace("-", "_")
+            if "=" in key:
+                key, value = key.split("=", 1)
+            elif args:
+                value = args.pop(0)
             else:
-                raise ValueError(f"unexpected argument {arg!r}; options are key=value")
-            if key not in names:
-                raise ValueError(f"unknown serve option {key!r}; options: {', '.join(names)}")
-            kind = int if names[key].type in ("int", int) else str
-            try:
-                values[key] = kind(value)
-            except ValueError:
-                raise ValueError(f"serve option {key}={value!r} must be an integer") from None
-        opts = cls(**values)
-        opts.api_key = opts.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
-        if not opts.model:
-            raise ValueError("give the model to serve: an artifact directory, a model directory or a hub id")
-        if opts.backend not in ("posttrain", "vllm"):
-            raise ValueError(f"backend={opts.backend!r}: expected posttrain or vllm")
-        if not 0 <= opts.port < 65536:
-            raise ValueError(f"port={opts.port} is out of range")
-        if opts.max_batch < 1 or opts.max_len < 2:
-            raise ValueError("max_batch must be >= 1 and max_len >= 2")
-        return opts
+                raise ValueError(f"option {arg} needs a value")
+        elif "=" in arg:
+            key, value = arg.split("=", 1)
+        elif "model" not in values:
+            key, value = "model", arg
+        else:
+            raise ValueError(f"unexpected argument {arg!r}; options are key=value")
+        if key not in names:
+            raise ValueError(f"unknown serve option {key!r}; options: {', '.join(names)}")
+        kind = int if names[key].type in ("int", int) else str
+        try:
+            values[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"serve option {key}={value!r} must be an integer") from None
+    opts = ServeCfg(**values)
+    opts.api_key = opts.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
+    if not opts.model:
+        raise ValueError("give the model to serve: an artifact directory, a model directory or a hub id")
+    if opts.backend not in ("posttrain", "vllm"):
+        raise ValueError(f"backend={opts.backend!r}: expected posttrain or vllm")
+    if not 0 <= opts.port < 65536:
+        raise ValueError(f"port={opts.port} is out of range")
+    if opts.max_batch < 1 or opts.max_len < 2:
+        raise ValueError("max_batch must be >= 1 and max_len >= 2")
+    return opts
 
 
 def resolve_model(location: str) -> tuple[str, str]:
     """(weights location, default served name) for a pipeline artifact (its model/ and manifest label), a model
     directory, or a hub id."""
-    from posttrain.artifacts import read_manifest, verify_artifact
-
     path = Path(location)
     if (path / "model").is_dir() and read_manifest(path) is not None:
         manifest = verify_artifact(path)
-        from posttrain.evaluation.scorecard import checkpoint_label
-
         return str(path / "model"), manifest.get("label") or checkpoint_label(manifest["stage"])
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{location}: neither a pipeline artifact (model/ + manifest.json) nor a model "
@@ -107,13 +102,24 @@ def resolve_model(location: str) -> tuple[str, str]:
     return location, path.name if path.exists() else location
 
 
-def build_engine(opts: ServeOptions):
+def build_engine(opts: ServeCfg, weights: str):
+    # the engine brings torch: `posttrain serve --help`, the vLLM backend and the CLI's other commands do without it
     from posttrain.serve.engine import load_engine
 
-    weights, _ = resolve_model(opts.model)
     engine = load_engine(weights, dtype=opts.dtype, max_batch=opts.max_batch, quant_backend=opts.quant_backend)
     engine.max_len = min(opts.max_len, engine.max_len)
     return engine
+
+
+def build_app(opts: ServeCfg):
+    """(the OpenAI-compatible app on our engine, its served name). The model is resolved once: an artifact's
+    weights are hashed against its manifest here and nowhere else in the server."""
+    # FastAPI loads only when a server starts in this process
+    from posttrain.serve.api import create_app
+
+    weights, default_name = resolve_model(opts.model)
+    name = opts.served_model_name or default_name
+    return create_app(build_engine(opts, weights), name, root=opts.model, api_key=opts.api_key), name
 
 
 def free_socket(host: str, port: int) -> socket.socket:
@@ -123,19 +129,16 @@ def free_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(opts: ServeOptions) -> None:
+def serve(opts: ServeCfg) -> None:
     """Run until interrupted (the `posttrain serve` command)."""
     if opts.backend == "vllm":
-        proc = subprocess.Popen(vllm_command(opts, opts.port or pick_port(opts.host)))
+        proc = subprocess.Popen(vllm_command(opts, opts.port or pick_port(opts.host))[0])
         sys.exit(proc.wait())
+    # uvicorn loads only when a server starts in this process
     import uvicorn
 
-    from posttrain.serve.api import create_app
-
-    _, default_name = resolve_model(opts.model)
-    engine = build_engine(opts)
-    name = opts.served_model_name or default_name
-    app = create_app(engine, name, root=opts.model, api_key=opts.api_key)
+    app, name = build_app(opts)
+    engine = app.state.served.engine
     sock = free_socket(opts.host, opts.port)
     port = sock.getsockname()[1]
     print(f"posttrain serve: '{name}' on http://{opts.host}:{port}/v1 (max_batch {engine.max_batch}, context "
@@ -148,19 +151,19 @@ def pick_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def vllm_command(opts: ServeOptions, port: int) -> list[str]:
-    """`vllm serve` on the same weights and the same names, so one client talks to either server."""
+def vllm_command(opts: ServeCfg, port: int) -> tuple[list[str], str]:
+    """(`vllm serve` on the same weights and the same names, so one client talks to either server; served name)."""
     if importlib.util.find_spec("vllm") is None or shutil.which("vllm") is None:
         raise RuntimeError("backend=vllm needs vLLM installed (pip install vllm, on a GPU machine); "
                            "backend=posttrain runs on any machine")
     weights, default_name = resolve_model(opts.model)
-    cmd = ["vllm", "serve", weights, "--host", opts.host, "--port", str(port),
-           "--served-model-name", opts.served_model_name or default_name, "--max-model-len", str(opts.max_len),
-           "--max-num-seqs", str(opts.max_batch), "--dtype", {"float32": "float32"}.get(opts.dtype, "bfloat16"),
+    name = opts.served_model_name or default_name
+    cmd = ["vllm", "serve", weights, "--host", opts.host, "--port", str(port), "--served-model-name", name,
+           "--max-model-len", str(opts.max_len), "--max-num-seqs", str(opts.max_batch), "--dtype", {"float32": "float32"}.get(opts.dtype, "bfloat16"),
            "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     if opts.api_key:
         cmd += ["--api-key", opts.api_key]
-    return cmd
+    return cmd, name
 
 
 @contextlib.contextmanager
@@ -189,13 +192,13 @@ class BackgroundServer:
 
 
 @contextlib.contextmanager
-def background_server(opts: ServeOptions, startup_timeout: float = 600.0):
+def background_server(opts: ServeCfg, startup_timeout: float = 600.0):
     """Serve `opts.model` while the block runs: in a thread (our engine) or a subprocess (vLLM)."""
     if opts.backend == "vllm":
         port = opts.port or pick_port(opts.host)
-        _, default_name = resolve_model(opts.model)
-        proc = subprocess.Popen(vllm_command(opts, port), start_new_session=True)
-        server = BackgroundServer(f"http://{opts.host}:{port}/v1", opts.served_model_name or default_name,
+        command, name = vllm_command(opts, port)
+        proc = subprocess.Popen(command, start_new_session=True)
+        server = BackgroundServer(f"http://{opts.host}:{port}/v1", name,
                                   lambda: (proc.terminate(), proc.wait(60)))
         try:
             wait_healthy(f"http://{opts.host}:{port}/health", startup_timeout, proc)
@@ -204,15 +207,11 @@ def background_server(opts: ServeOptions, startup_timeout: float = 600.0):
             server.stop()
         return
 
+    # uvicorn loads only when a server starts in this process
     import uvicorn
 
-    from posttrain.evaluation.client import quiet_http_logs
-    from posttrain.serve.api import create_app
-
-    _, default_name = resolve_model(opts.model)
-    name = opts.served_model_name or default_name
     with no_load_bars():
-        app = create_app(build_engine(opts), name, root=opts.model, api_key=opts.api_key)
+        app, name = build_app(opts)
     sock = free_socket(opts.host, opts.port)
     port = sock.getsockname()[1]
     # in the caller's process: its logging setup stays (log_config=None), no access log, uvicorn's own at WARNING
@@ -257,7 +256,7 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
 
 def main(argv: list[str]) -> int:
     try:
-        opts = ServeOptions.parse(argv)
+        opts = parse_options(argv)
         serve(opts)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"posttrain serve: error: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ of the same shape: the other way round) or PKU-SafeRLHF rows (posttrain.data.pre
 safe_vs_unsafe). With `dpo.lora` set, only adapters train and TRL takes the reference from the adapter-free model,
 which is the parent; the adapters are merged into the saved artifact.
 
-The manifest carries the likelihood-shift report on held-out pairs (posttrain.evaluation.likelihood).
+The manifest carries the likelihood-shift report on held-out pairs (posttrain.models.likelihood).
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import logging
 
 from posttrain import training
 from posttrain.artifacts import sha256_json
+from posttrain.data.preferences import load_pairs
+from posttrain.data.startup import pair_jobs, startup_check
+from posttrain.models.likelihood import likelihood_shift, render_shift, reply_logprobs
+from posttrain.models.loading import load_model, load_tokenizer, model_location
+from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -23,12 +28,6 @@ def main(cfg, run: StageRun) -> dict:
     import torch
     from datasets import Dataset
     from trl import DPOTrainer
-
-    from posttrain.data.preferences import load_pairs
-    from posttrain.data.startup import pair_jobs, startup_check
-    from posttrain.evaluation.likelihood import likelihood_shift, render_shift, reply_logprobs
-    from posttrain.models.loading import load_model, load_tokenizer, model_location
-    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)

@@ -10,6 +10,10 @@ import logging
 
 from posttrain import training
 from posttrain.artifacts import sha256_json
+from posttrain.data.startup import startup_check, tiny_jobs
+from posttrain.data.tiny_world import build_tiny_tokenizer, plain_text
+from posttrain.models.tiny import build_tiny_model
+from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -19,11 +23,6 @@ def main(cfg, run: StageRun) -> dict:
     import torch
     from datasets import Dataset
     from trl import SFTTrainer
-
-    from posttrain.data.tiny_world import plain_text
-    from posttrain.data.startup import startup_check, tiny_jobs
-    from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-    from posttrain.moe import MoeRouterCallback
 
     # --- config ------------------------------------------------------------------------------------------------
     if cfg.model.source != "tiny":

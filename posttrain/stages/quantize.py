@@ -16,7 +16,15 @@ import tempfile
 from pathlib import Path
 
 from posttrain import training
-from posttrain.artifacts import write_manifest
+from posttrain.artifacts import read_manifest, sha256_json, write_manifest
+from posttrain.data.chat_rows import load_rows, tokenize_rows
+from posttrain.data.tiny_world import sft_rows
+from posttrain.models.loading import load_tokenizer, model_location
+from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
+from posttrain.quant.export import export_quantized
+from posttrain.quant.export_read import size_on_disk
+from posttrain.quant.formats import bytes_per_param, quantize_weight, weight_error
+from posttrain.registry import checkpoint_label
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -64,14 +72,12 @@ def perplexity(model, sequences: list[tuple[list[int], list[int]]]) -> float:
 
 
 def layer_errors(originals: dict, quantized: dict) -> list[dict]:
-    from posttrain.quant.formats import weight_error
 
     return [{"name": name, **weight_error(originals[name], q)} for name, q in quantized.items()]
 
 
 def format_error_table(originals: dict) -> dict[str, dict]:
     """Round-to-nearest error of each compared format over all quantizable weights (parameter-weighted means)."""
-    from posttrain.quant.formats import bytes_per_param, quantize_weight, weight_error
 
     table = {}
     total = sum(w.numel() for w in originals.values())
@@ -92,13 +98,6 @@ def format_error_table(originals: dict) -> dict[str, dict]:
 def main(cfg, run: StageRun) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
-
-    from posttrain.models.loading import load_tokenizer, model_location
-    from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
-    from posttrain.quant.export import export_quantized
-    from posttrain.quant.export_read import size_on_disk
-    from posttrain.quant.formats import bytes_per_param
-    from posttrain.stages.sft import load_rows, tokenize_rows
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
@@ -174,27 +173,21 @@ def main(cfg, run: StageRun) -> dict:
 def held_out_rows(data_cfg, n: int) -> list[dict]:
     """Held-out rows of the same data: the tiny world's test split, or the tail of a real dataset's rows."""
     if data_cfg.name == "tiny":
-        from posttrain.data.tiny_world import sft_rows
-
         rows = sft_rows("test", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
                         data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
         return rows[:n]
-    from posttrain.stages.sft import load_rows
 
     rows, _ = load_rows(data_cfg)
     return rows[-n:]
 
 
 def held_out_record(rows: list[dict]) -> dict:
-    from posttrain.artifacts import sha256_json
 
     return {"id": "held-out", "role": "perplexity", "rows": len(rows),
             "content_sha256": sha256_json([r["messages"] for r in rows])}
 
 
 def read_parent_label(parent: Path) -> str:
-    from posttrain.artifacts import read_manifest
-    from posttrain.evaluation.scorecard import checkpoint_label
 
     manifest = read_manifest(parent) or {}
     return manifest.get("label") or checkpoint_label(manifest.get("stage", parent.name))

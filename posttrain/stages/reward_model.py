@@ -11,7 +11,12 @@ import logging
 
 from posttrain import training
 from posttrain.artifacts import sha256_json
+from posttrain.data.preferences import load_pairs
+from posttrain.data.startup import pair_jobs, startup_check
+from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
+from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+from rewards.reward_model import RewardModelScorer
 
 log = logging.getLogger("posttrain")
 
@@ -45,12 +50,6 @@ def main(cfg, run: StageRun) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
     from trl import RewardTrainer
-
-    from posttrain.data.preferences import load_pairs
-    from posttrain.data.startup import pair_jobs, startup_check
-    from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
-    from posttrain.moe import MoeRouterCallback
-    from rewards.reward_model import RewardModelScorer
 
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)

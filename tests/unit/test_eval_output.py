@@ -14,10 +14,12 @@ import types
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from posttrain.evaluation.client import HTTP_LOGGERS, CheckpointProgress
+from posttrain.evaluation.client import CheckpointProgress
+from posttrain.serve.server import HTTP_LOGGERS
 
 
 def stub_app(received: list[str]):
@@ -60,16 +62,19 @@ def fresh_loggers():
 
 @pytest.fixture
 def stub_server(monkeypatch):
-    """`background_server` serving the stub app instead of an engine; returns the requests it received."""
+    """`background_server` serving the stub app instead of an engine; returns the requests it received and the
+    models it resolved."""
     from posttrain.serve import server
 
     received: list[str] = []
     api = types.ModuleType("posttrain.serve.api")
     api.create_app = lambda engine, name, root, api_key: stub_app(received)
     monkeypatch.setitem(sys.modules, "posttrain.serve.api", api)
-    monkeypatch.setattr(server, "resolve_model", lambda location: (location, "stub"))
-    monkeypatch.setattr(server, "build_engine", lambda opts: None)
-    return received
+    resolved = []  # the server resolves each model once
+    monkeypatch.setattr(server, "resolve_model", lambda location: (resolved.append(location), (location, "stub"))[1])
+
+    monkeypatch.setattr(server, "build_engine", lambda opts, weights: None)
+    return received, resolved
 
 
 class Terminal(io.StringIO):
@@ -91,12 +96,13 @@ def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers
                                                                    capsys, tmp_path):
     from posttrain.evaluation import scorecard
 
-    received = stub_server
+    received, resolved = stub_server
     monkeypatch.setattr(scorecard, "verify_artifact", lambda d: {"stage": d.name})
     monkeypatch.setattr(scorecard, "weight_files", lambda d: [])
     suites = stub_suites()
     eval_cfg = SimpleNamespace(latency=SimpleNamespace(requests=2, max_tokens=2), concurrency=4, max_new_tokens=None)
-    serve_cfg = SimpleNamespace(api_key=None, dtype="float32", max_batch=4, max_len=64, backend="posttrain")
+    serve_cfg = OmegaConf.create({"api_key": None, "dtype": "float32", "max_batch": 4, "max_len": 64,
+                                  "backend": "posttrain"})
     total = scorecard.requests_of(suites, eval_cfg)
     assert total == 5 + 2 * 4 + 2
     caplog.set_level(logging.DEBUG - 5)  # every record any logger lets through, down to uvicorn's TRACE
@@ -104,6 +110,8 @@ def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers
         row = scorecard.score_checkpoint(tmp_path / stage, suites, eval_cfg, serve_cfg)
         assert (row["echo"], row["arith"], row["arith_pass@1"], row["latency"]["requests"]) == (1.0, 1.0, 1.0, 2)
     assert len(received) == 2 * total  # every request of both checkpoints went through the HTTP stack
+    # the eval verified each checkpoint's weights itself and served its model/ directory: no second hash
+    assert resolved == [str(tmp_path / "pretrain" / "model"), str(tmp_path / "dpo" / "model")]
     assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar, no line per request
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert [m.split(":")[0] for m in messages] == ["base", "eval base", "dpo", "eval dpo"], messages[:6]

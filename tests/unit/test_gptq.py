@@ -207,18 +207,26 @@ def test_quantize_model_covers_every_decoder_linear_and_writes_back(tiny_qwen3, 
         assert torch.equal(dict(model.named_parameters())[name], before[name])
 
 
-def test_gptq_model_logits_closer_than_rtn(tiny_qwen3):
-    # Plain random token ids (calibration and held-out drawn independently) already show the gain.
-    gen = torch.Generator().manual_seed(2)
-    calib_ids, held_out = torch.randint(0, 128, (16, 64), generator=gen), torch.randint(0, 128, (8, 64), generator=gen)
+def quantized_logit_errors(model, vocab: int, group_size: int, calib_rows: int, seq: int, seed: int):
+    """{method: relative logit error on held-out ids, with the method's model and result} for rtn and gptq.
+    Plain random token ids (calibration and held-out drawn independently) already show GPTQ's gain."""
+    gen = torch.Generator().manual_seed(seed)
+    calib_ids = torch.randint(0, vocab, (calib_rows, seq), generator=gen)
+    held_out = torch.randint(0, vocab, (calib_rows // 2, seq), generator=gen)
     with torch.no_grad():
-        reference = tiny_qwen3(held_out).logits
-    errors = {}
+        reference = model(held_out).logits
+    out = {}
     for method in ("rtn", "gptq"):
-        model = copy.deepcopy(tiny_qwen3)
-        quantize_model(model, method, "int4", 32, True, calib_ids)
+        quantized = copy.deepcopy(model)
+        result = quantize_model(quantized, method, "int4", group_size, True, calib_ids)
         with torch.no_grad():
-            errors[method] = ((model(held_out).logits - reference).norm() / reference.norm()).item()
+            error = ((quantized(held_out).logits - reference).norm() / reference.norm()).item()
+        out[method] = (error, quantized, result)
+    return out
+
+
+def test_gptq_model_logits_closer_than_rtn(tiny_qwen3):
+    errors = {method: e for method, (e, _, _) in quantized_logit_errors(tiny_qwen3, 128, 32, 16, 64, 2).items()}
     assert errors["gptq"] < 0.95 * errors["rtn"], errors
 
 
@@ -252,17 +260,11 @@ def tiny_qwen3_moe():
 
 
 def test_fused_experts_quantized_and_router_kept(tiny_qwen3_moe):
-    gen = torch.Generator().manual_seed(1)
-    calib_ids, held_out = torch.randint(0, 64, (8, 32), generator=gen), torch.randint(0, 64, (4, 32), generator=gen)
-    with torch.no_grad():
-        reference = tiny_qwen3_moe(held_out).logits
-    errors = {}
-    for method in ("rtn", "gptq"):
-        model = copy.deepcopy(tiny_qwen3_moe)
-        result = quantize_model(model, method, "int4", 16, True, calib_ids)
-        expected = {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        expected |= {f"model.layers.{i}.mlp.experts.{j}.{p}" for i in (0, 1) for j in range(4)
-                     for p in ("gate_proj", "up_proj", "down_proj")}
+    runs = quantized_logit_errors(tiny_qwen3_moe, 64, 16, 8, 32, 1)
+    expected = {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    expected |= {f"model.layers.{i}.mlp.experts.{j}.{p}" for i in (0, 1) for j in range(4)
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+    for _, model, result in runs.values():
         assert set(result) == expected
         experts = model.model.layers[1].mlp.experts
         up_2, down_3 = result["model.layers.1.mlp.experts.2.up_proj"], result["model.layers.1.mlp.experts.3.down_proj"]
@@ -270,9 +272,7 @@ def test_fused_experts_quantized_and_router_kept(tiny_qwen3_moe):
         assert torch.equal(experts.down_proj[3], dequantize_weight(down_3))
         for i in (0, 1):
             assert torch.equal(model.model.layers[i].mlp.gate.weight, tiny_qwen3_moe.model.layers[i].mlp.gate.weight)
-        with torch.no_grad():
-            errors[method] = ((model(held_out).logits - reference).norm() / reference.norm()).item()
-    assert errors["gptq"] < errors["rtn"], errors
+    assert runs["gptq"][0] < runs["rtn"][0], {method: run[0] for method, run in runs.items()}
 
 
 def test_expert_hessians_come_from_routed_tokens(tiny_qwen3_moe):

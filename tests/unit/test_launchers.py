@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from posttrain import launch
+from posttrain import launch, registry, runs
 from posttrain.config import RECIPES_DIR, RecipeError, compose
 
 ACCELERATE = RECIPES_DIR / "accelerate"
@@ -124,7 +124,7 @@ def test_only_training_stages_of_a_parent_process_are_launched(monkeypatch):
     cfg = compose(["pipeline=tiny-ci", "pipeline.launcher=fsdp2"])
     monkeypatch.delenv(launch.LAUNCHED_ENV, raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert all(launch.launcher_for(cfg, s) == ACCELERATE / "fsdp2.yaml" for s in launch.TRAINING_STAGES)
+    assert all(launch.launcher_for(cfg, s) == ACCELERATE / "fsdp2.yaml" for s in registry.TRAINING_STAGES)
     assert launch.launcher_for(cfg, "quantize:int8") is None
     monkeypatch.setenv("WORLD_SIZE", "2")  # already one of several processes (torchrun, accelerate launch)
     assert launch.launcher_for(cfg, "sft") is None
@@ -146,17 +146,15 @@ def test_launch_command_carries_recipe_and_environment_arguments(monkeypatch, tm
 def test_a_launched_child_rebuilds_the_same_stage_run(monkeypatch, tmp_path):
     """The spec the parent writes composes, in the child, to the same StageRun and config hash; a hash that
     differs (the recipe tree changed meanwhile) stops the child before anything runs."""
-    from posttrain import pipeline
-
     overrides = ["pipeline=tiny-ci", "pipeline.launcher=ddp", "sft.trainer.max_steps=3", f"run.root={tmp_path}",
                  "run.name=r"]
     cfg = compose(overrides)
-    run = pipeline.stage_run(cfg, "sft", 1, None, tmp_path / "r", "r")
+    run = runs.stage_run(cfg, "sft", 1, None, tmp_path / "r", "r")
     spec = launch.write_spec(cfg, run, tmp_path / "r")
     assert json.loads(spec.read_text())["overrides"] == overrides
 
     seen = []
-    monkeypatch.setattr(pipeline, "execute_stage", lambda cfg, run, run_dir: seen.append((cfg, run, run_dir)))
+    monkeypatch.setattr(launch, "execute_stage", lambda cfg, run, run_dir: seen.append((cfg, run, run_dir)))
     launch.run_spec(spec)
     (child_cfg, child_run, run_dir), = seen
     assert child_run.config_hash == run.config_hash and child_run.out_dir == run.out_dir == tmp_path / "r" / "01-sft"
@@ -209,7 +207,7 @@ def test_a_child_that_fails_or_writes_nothing_is_a_stage_launch_error(monkeypatc
     from posttrain.artifacts import ArtifactError
 
     cfg = compose(["pipeline=tiny-ci", "pipeline.launcher=ddp", f"run.root={tmp_path}", "run.name=r"])
-    run = pipeline.stage_run(cfg, "sft", 1, None, tmp_path / "r", "r")
+    run = runs.stage_run(cfg, "sft", 1, None, tmp_path / "r", "r")
     child = "import sys; print('step 1'); print('[rank1]: RuntimeError: boom'); print('tail line'); sys.exit(3)"
     monkeypatch.setattr(launch, "launch_command", lambda *a: [sys.executable, "-c", child])
     with pytest.raises(launch.StageLaunchError) as err:

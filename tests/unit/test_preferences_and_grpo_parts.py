@@ -12,7 +12,8 @@ from posttrain.data.preferences import pku_pairs
 from posttrain.data.tiny_world import preference_pairs
 from posttrain.evaluation.scorecard import render_markdown
 from posttrain.evaluation.suites import Suite
-from posttrain.stages.grpo import RewardTable, build_rewards, load_prompts
+from posttrain.data.prompts import load_prompts
+from posttrain.stages.grpo import RewardTable, build_rewards
 from rewards import REWARDS
 from tests.conftest import shared_path
 

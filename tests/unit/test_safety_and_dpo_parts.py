@@ -7,7 +7,7 @@ import math
 import pytest
 
 from posttrain.data.tiny_safety import requests, safety_pairs, sft_safety_rows
-from posttrain.evaluation.likelihood import likelihood_shift, reply_logprobs, reply_token_ids
+from posttrain.models.likelihood import likelihood_shift, reply_logprobs, reply_token_ids
 from posttrain.evaluation.scorecard import render_markdown
 from posttrain.evaluation.suites import build_suite
 from rewards.safety import declines, tiny_safety_rule

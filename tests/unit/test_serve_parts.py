@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 
 import pytest
 import torch
 
+from posttrain.config_schema import ServeCfg
 from posttrain.serve.engine import Engine, SamplingParams, model_from_hf
 from posttrain.serve.parsing import ReplyParser, opens_thinking, parse_reply, partial_tag_len
 from posttrain.serve.scheduler import Request, Scheduler
-from posttrain.serve.server import ServeOptions, vllm_command
+from posttrain.serve.server import parse_options, vllm_command
 from tests.unit.test_engine import tiny_hf
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -163,16 +166,16 @@ def test_engine_failure_fails_the_running_requests_and_the_server_keeps_going(en
 
 # ---- options and the vLLM backend --------------------------------------------------------------------------------
 def test_serve_options_parse_key_value_and_flags():
-    opts = ServeOptions.parse(["runs/x/04-dpo", "port=0", "--max-batch", "8", "--api-key=k", "backend=posttrain"])
+    opts = parse_options(["runs/x/04-dpo", "port=0", "--max-batch", "8", "--api-key=k", "backend=posttrain"])
     assert (opts.model, opts.port, opts.max_batch, opts.api_key) == ("runs/x/04-dpo", 0, 8, "k")
     with pytest.raises(ValueError, match="unknown serve option 'prot'"):
-        ServeOptions.parse(["m", "prot=1"])
+        parse_options(["m", "prot=1"])
     with pytest.raises(ValueError, match="must be an integer"):
-        ServeOptions.parse(["m", "port=eighty"])
+        parse_options(["m", "port=eighty"])
     with pytest.raises(ValueError, match="backend"):
-        ServeOptions.parse(["m", "backend=tgi"])
+        parse_options(["m", "backend=tgi"])
     with pytest.raises(ValueError, match="give the model"):
-        ServeOptions.parse(["port=1"])
+        parse_options(["port=1"])
 
 
 def test_vllm_backend_needs_vllm_and_builds_the_same_names(monkeypatch, tmp_path):
@@ -180,13 +183,14 @@ def test_vllm_backend_needs_vllm_and_builds_the_same_names(monkeypatch, tmp_path
     import shutil
 
     (tmp_path / "config.json").write_text("{}")
-    opts = ServeOptions(model=str(tmp_path), api_key="k", served_model_name="dpo", backend="vllm")
+    opts = ServeCfg(model=str(tmp_path), api_key="k", served_model_name="dpo", backend="vllm")
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(RuntimeError, match="needs vLLM installed"):
             vllm_command(opts, 8001)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/vllm")
-    cmd = vllm_command(opts, 8001)
+    cmd, name = vllm_command(opts, 8001)
+    assert name == "dpo"
     assert cmd[:3] == ["vllm", "serve", str(tmp_path)]
     assert cmd[cmd.index("--served-model-name") + 1] == "dpo" and cmd[cmd.index("--api-key") + 1] == "k"
     assert cmd[cmd.index("--port") + 1] == "8001" and "--reasoning-parser" in cmd
@@ -198,3 +202,26 @@ def test_tiny_model_decode_uses_one_row_per_request(engine):
     a = engine.prefill([[1, 2, 3], [4, 5]])
     b = engine.prefill([[1, 2, 3], [4, 5]], rows=torch.tensor([3, 1]))
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_one_serving_options_type_and_an_artifact_hashed_once(tmp_path, monkeypatch):
+    """`posttrain serve` and eval share ServeCfg's defaults; resolving an artifact hashes each weight file once,
+    and its model/ directory (what eval serves after verifying the artifact itself) not at all."""
+    from posttrain import artifacts
+    from posttrain.config import compose
+    from posttrain.serve.server import resolve_model
+
+    assert parse_options(["m"]) == ServeCfg(model="m")
+    cfg = compose(["pipeline=tiny"])
+    assert set(cfg.serve) == {f.name for f in dataclasses.fields(ServeCfg)}
+    model = tmp_path / "04-dpo" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    weights = {"model/model.safetensors": artifacts.sha256_file(model / "model.safetensors")}
+    (model.parent / artifacts.MANIFEST).write_text(json.dumps({"stage": "dpo", "label": "dpo", "weights": weights}))
+    hashed = []
+    real = artifacts.sha256_file
+    monkeypatch.setattr(artifacts, "sha256_file", lambda path: (hashed.append(path), real(path))[1])
+    assert resolve_model(str(model.parent)) == (str(model), "dpo") and len(hashed) == 1
+    assert resolve_model(str(model)) == (str(model), "model") and len(hashed) == 1

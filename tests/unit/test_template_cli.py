@@ -1,4 +1,4 @@
-"""`posttrain template render` (posttrain.chat.cli.main) on the tiny template and the six real templates."""
+"""`posttrain template render` (posttrain.template_cli.main) on the tiny template and the six real templates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.chat import cli
+from posttrain import template_cli as cli
 from posttrain.chat.render import load_template, render_chat
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "reference" / "chat_templates"
@@ -26,7 +26,7 @@ NO_SYSTEM = [m for m in cli.EXAMPLE_MESSAGES if m["role"] != "system"]
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.data.tiny_world import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -34,7 +34,7 @@ def tiny_tokenizer():
 @pytest.fixture(autouse=True)
 def reuse_tiny_tokenizer(monkeypatch, tiny_tokenizer):
     # Building the tiny tokenizer takes seconds; every main() call here would rebuild it.
-    monkeypatch.setattr("posttrain.models.tiny.build_tiny_tokenizer", lambda: tiny_tokenizer)
+    monkeypatch.setattr("posttrain.template_cli.build_tiny_tokenizer", lambda: tiny_tokenizer)
 
 
 def _real(name: str) -> Path:

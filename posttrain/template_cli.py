@@ -3,7 +3,7 @@
     posttrain template render --template ../shared/data/reference/chat_templates/qwen3-0.6b.jinja --no-enable-thinking
 
 Prints the rendered string, its token count, the control tokens in it with their ids, and the fraction of tokens
-the assistant mask trains on. `python -m posttrain.chat.cli ...` runs the same thing.
+the assistant mask trains on. `python -m posttrain.template_cli ...` runs the same thing.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from posttrain.chat.render import MaskError, load_template, render_chat, tokenize_with_assistant_mask
+from posttrain.data.tiny_world import build_tiny_tokenizer
 
 EXAMPLE_MESSAGES = [
     {"role": "system", "content": "You are a careful assistant. Answer with the final number only."},
@@ -62,8 +63,6 @@ def _read_json_list(path: Path, what: str) -> list:
 
 def _load_tokenizer(name: str | None):
     if name is None:
-        from posttrain.models.tiny import build_tiny_tokenizer
-
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
