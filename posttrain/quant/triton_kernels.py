@@ -92,13 +92,24 @@ def _w8a16_gemv_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, N, K, sxm, sxk, sqn, sqk,
 
 
 @triton.jit
+def _output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The GEMM program (pid_m, pid_n)'s output tile: its row and column offsets, and which of them are in bounds."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _store_tile(y_ptr, tile, offs_m, offs_n, m_mask, n_mask, sym, syn):
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn, tile.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _w8a16_gemm_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, M, N, K, sxm, sxk, sqn, sqk, sym, syn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        LOW_PRECISION_DOT: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_m, offs_n, m_mask, n_mask = _output_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -113,8 +124,7 @@ def _w8a16_gemm_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, M, N, K, sxm, sxk, sqn, s
             acc = tl.dot(a.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     y = acc * scale[None, :]
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn, y.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(y_ptr, y, offs_m, offs_n, m_mask, n_mask, sym, syn)
 
 
 @triton.jit
@@ -166,10 +176,7 @@ def _w4a16_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, y_ptr, M, N, KP, sxm, sxk, sp
                        sym, syn, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr):
     # x @ w^T = x[:, even k] @ w[:, even k]^T + x[:, odd k] @ w[:, odd k]^T: two dots of depth BLOCK_KP per step
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_m, offs_n, m_mask, n_mask = _output_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for j0 in range(0, KP, BLOCK_KP):
         offs_j = j0 + tl.arange(0, BLOCK_KP)
@@ -187,8 +194,7 @@ def _w4a16_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, y_ptr, M, N, KP, sxm, sxk, sp
         else:
             acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
             acc = tl.dot(a_odd.to(tl.float32), w_odd, acc, input_precision="ieee")
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(y_ptr, acc, offs_m, offs_n, m_mask, n_mask, sym, syn)
 
 
 # ----------------------------------------------------------------------------------------------- wrappers

@@ -36,17 +36,36 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-def needs_shared_file(path, what: str):
-    return pytest.mark.skipif(not path.is_file(),
-                              reason=f"{path} is absent: {what} come from ../shared, which is not checked out here")
+def trains_on_shared(path, what: str):
+    """The marks of a slow SmolLM2 test on a file of ../shared: skipped, saying why, when either is missing."""
+    marks = (pytest.mark.slow, pytest.mark.shared, needs_smollm2, pytest.mark.skipif(
+        not path.is_file(), reason=f"{path} is absent: {what} come from ../shared, which is not checked out here"))
 
+    def mark(test):
+        for m in marks:
+            test = m(test)
+        return test
 
-needs_dolly = needs_shared_file(DOLLY, "the Dolly rows")
+    return mark
 
 # The test machines have 2 cores, often shared with another run: there, two OpenMP threads spin against each other
 # and elementwise ops ran ~100x slower (a LoRA step on SmolLM2 took ~30 s instead of 5-8 s). One thread is at most
 # 1.4x slower when the machine is idle. An OMP_NUM_THREADS set by the caller wins.
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def run_stage(stage: str, args: list[str], root: Path, what: str) -> tuple[Path, dict]:
+    """`posttrain stage=<stage> model=smollm2-135m ARGS` in a subprocess on THREADS threads; (its stage directory,
+    its manifest). Prints how long it took."""
+    command = [sys.executable, "-m", "posttrain.cli", f"stage={stage}", "model=smollm2-135m", *args,
+               f"run.root={root}", f"run.name=smollm2-{stage}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(f"smollm2: `posttrain stage={stage} ...` ({what}) took {time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
+    stage_dir = root / f"smollm2-{stage}" / f"00-{stage}"
+    return stage_dir, json.loads((stage_dir / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -213,27 +232,14 @@ def test_engine_matches_transformers_on_smollm2_and_answers(smollm2):
 
 
 # --- a few LoRA SFT steps on Dolly ------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.shared
-@needs_smollm2
-@needs_dolly
+@trains_on_shared(DOLLY, "the Dolly rows")
 def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smollm2, tmp_path):
     from safetensors import safe_open
 
     _, base_dir = smollm2  # converted already, so the stage below only reads the cache
-    command = [
-        sys.executable, "-m", "posttrain.cli", "stage=sft", "model=smollm2-135m", "data=dolly", "sft=lora",
-        f"data.path={DOLLY}", "data.limit=8", "sft.trainer.max_steps=3", "sft.trainer.max_length=256",
-        f"run.root={tmp_path}", "run.name=smollm2-lora",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    print(f"smollm2: `posttrain stage=sft ... sft=lora` (3 steps) took {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
-
-    stage_dir = tmp_path / "smollm2-lora" / "00-sft"
-    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    stage_dir, manifest = run_stage("sft", ["data=dolly", "sft=lora", f"data.path={DOLLY}", "data.limit=8",
+                                            "sft.trainer.max_steps=3", "sft.trainer.max_length=256"], tmp_path,
+                                    "sft=lora, 3 steps")
     assert manifest["stage"] == "sft"
     metrics = manifest["metrics"]
     print(f"smollm2: train_runtime {metrics['log_history'][-1].get('train_runtime')} s, "
@@ -263,32 +269,17 @@ def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smollm2, tmp_path):
 
 # --- a few GRPO steps on GSM8K with the math verifier -----------------------------------------------------------------
 GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
-needs_gsm8k = needs_shared_file(GSM8K, "the GSM8K rows")
 
 
-@pytest.mark.slow
-@pytest.mark.shared
-@needs_smollm2
-@needs_gsm8k
+@trains_on_shared(GSM8K, "the GSM8K rows")
 def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2, tmp_path):
     from safetensors import safe_open
 
     _, base_dir = smollm2
-    command = [
-        sys.executable, "-m", "posttrain.cli", "stage=grpo", "model=smollm2-135m", "grpo=gsm8k",
-        f"grpo.prompts.path={GSM8K}", "grpo.prompts.n=4", "grpo.trainer.max_steps=2",
-        "grpo.trainer.max_completion_length=48", "grpo.trainer.learning_rate=1e-5",
-        f"run.root={tmp_path}", "run.name=smollm2-grpo",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print(f"smollm2: `posttrain stage=grpo ... grpo=gsm8k` (2 steps x 4 completions) took "
-          f"{time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
-
-    stage_dir = tmp_path / "smollm2-grpo" / "00-grpo"
-    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    stage_dir, manifest = run_stage("grpo", [
+        "grpo=gsm8k", f"grpo.prompts.path={GSM8K}", "grpo.prompts.n=4", "grpo.trainer.max_steps=2",
+        "grpo.trainer.max_completion_length=48", "grpo.trainer.learning_rate=1e-5"], tmp_path,
+        "grpo=gsm8k, 2 steps x 4 completions")
     assert manifest["stage"] == "grpo" and manifest["metrics"]["global_step"] == 2
     rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 4
@@ -311,36 +302,21 @@ def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2
 
 # --- a few LoRA DPO steps on the PKU-SafeRLHF rows ---------------------------------------------------------------
 PKU = SHARED / "data" / "pku_saferlhf" / "pku_saferlhf_test_sample_transcribed.jsonl"
-needs_pku = needs_shared_file(PKU, "the PKU-SafeRLHF rows")
 
 
-@pytest.mark.slow
-@pytest.mark.shared
-@needs_smollm2
-@needs_pku
+@trains_on_shared(PKU, "the PKU-SafeRLHF rows")
 def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smollm2, tmp_path):
     """recipes/dpo/pku_saferlhf.yaml on SmolLM2: 2 training pairs (safer = chosen) in one batch, 2 held out,
     3 LoRA steps (replies cut at 128 tokens to keep it under a minute on CPU)."""
     from safetensors import safe_open
 
     _, base_dir = smollm2
-    command = [
-        sys.executable, "-m", "posttrain.cli", "stage=dpo", "model=smollm2-135m", "dpo=pku_saferlhf",
-        f"dpo.pairs.path={PKU}", "dpo.pairs.n_train=2", "dpo.pairs.n_eval=2", "dpo.trainer.max_steps=3",
-        "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
-        "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=128",
-        "dpo.trainer.logging_steps=1",
-        "+dpo.trainer.activation_checkpointing=false", f"run.root={tmp_path}", "run.name=smollm2-dpo",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print(f"smollm2: `posttrain stage=dpo ... dpo=pku_saferlhf` (3 LoRA steps) took "
-          f"{time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
-
-    stage_dir = tmp_path / "smollm2-dpo" / "00-dpo"
-    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    stage_dir, manifest = run_stage("dpo", [
+        "dpo=pku_saferlhf", f"dpo.pairs.path={PKU}", "dpo.pairs.n_train=2", "dpo.pairs.n_eval=2",
+        "dpo.trainer.max_steps=3", "dpo.trainer.per_device_train_batch_size=2",
+        "dpo.trainer.gradient_accumulation_steps=1", "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0",
+        "dpo.trainer.max_length=128", "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false"],
+        tmp_path, "dpo=pku_saferlhf, 3 LoRA steps")
     assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
     record = manifest["datasets"][0]
     assert record["preference"] == "safer" and record["rows"] == 2 and record["held_out"] == 2

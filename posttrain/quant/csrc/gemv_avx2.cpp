@@ -58,11 +58,15 @@ struct Bf16Weights {
   inline float row_scale(int64_t) const { return 1.0f; }
 };
 
-struct Int8Weights {
+// One byte per code and one fp32 scale per output row (int8, fp8).
+struct ByteCodesRowScale {
   static constexpr bool kPrefetch = true;
   static constexpr bool kGrouped = false;
   static constexpr int64_t kChunkBytes = 16;
   const float* scale;  // [N_padded]
+};
+
+struct Int8Weights : ByteCodesRowScale {
   static inline void decode(const uint8_t* p, __m256& lo, __m256& hi) {
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
@@ -70,11 +74,7 @@ struct Int8Weights {
   inline float row_scale(int64_t n) const { return scale[n]; }
 };
 
-struct Fp8Weights {
-  static constexpr bool kPrefetch = true;
-  static constexpr bool kGrouped = false;
-  static constexpr int64_t kChunkBytes = 16;
-  const float* scale;  // [N_padded]
+struct Fp8Weights : ByteCodesRowScale {
   static inline void decode(const uint8_t* p, __m256& lo, __m256& hi) {
     // E4M3 byte s eeee mmm -> fp16 bits s 0 eeee mmm 0000000 (sign-extend to 16 bits, shift, mask), which is
     // the value times 2^-8 (exponent bias 7 -> 15), subnormal codes included; F16C widens that to fp32 exactly and
@@ -271,12 +271,19 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, int64_t out_f
   return run(Fp32Weights{}, codes, x, out_features, K, bias);
 }
 
-at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t out_features,
-                     const c10::optional<at::Tensor>& bias) {
-  const int64_t K = check_codes(codes, at::kChar, kChunk, kChunk, out_features);
+// int8 and fp8: one byte per code (ByteCodesRowScale), stored as `code_type`.
+template <typename Weights>
+at::Tensor gemv_row_scaled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                           int64_t out_features, const c10::optional<at::Tensor>& bias, at::ScalarType code_type) {
+  const int64_t K = check_codes(codes, code_type, kChunk, kChunk, out_features);
   check_fp32(scale, "scale [N_padded]", codes.size(0) * kRowsPerTile);
   check_bias(bias, out_features);
-  return run(Int8Weights{scale.data_ptr<float>()}, codes, x, out_features, K, bias);
+  return run(Weights{{scale.data_ptr<float>()}}, codes, x, out_features, K, bias);
+}
+
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
+  return gemv_row_scaled<Int8Weights>(x, codes, scale, out_features, bias, at::kChar);
 }
 
 at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_offset,
@@ -293,10 +300,7 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 at::Tensor gemv_fp8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t out_features,
                     const c10::optional<at::Tensor>& bias) {
-  const int64_t K = check_codes(codes, at::kByte, kChunk, kChunk, out_features);
-  check_fp32(scale, "scale [N_padded]", codes.size(0) * kRowsPerTile);
-  check_bias(bias, out_features);
-  return run(Fp8Weights{scale.data_ptr<float>()}, codes, x, out_features, K, bias);
+  return gemv_row_scaled<Fp8Weights>(x, codes, scale, out_features, bias, at::kByte);
 }
 
 }  // namespace
