@@ -8,9 +8,11 @@ keys that are valid there (with a close match when there is one).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
+import typing
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,24 +30,40 @@ class RecipeError(ValueError):
 
 
 # --- composition -----------------------------------------------------------------------------------------------------
-OPTIONAL_KEYS = ("pipeline.launcher", "pipeline.launcher_args")  # schema keys a pipeline recipe may leave out
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
-    """`model=<hub id or path>` is not a recipe file: turn it into `model=hf model.name_or_path=<it>`. Keys in
-    OPTIONAL_KEYS may be set on the command line whether or not the pipeline recipe names them."""
+    """`model=<hub id or path>` is not a recipe file: turn it into `model=hf model.name_or_path=<it>`. Any key of the
+    schema (RootCfg) or of a stage's TRL config class may be set on the command line whether or not the recipe
+    YAML names it."""
     out = []
     for item in overrides:
         key, _, value = item.partition("=")
         if key == "model" and value and not (RECIPES_DIR / "model" / f"{value}.yaml").exists():
             out += ["model=hf", f"model.name_or_path={value}", f"model.name={value.rstrip('/').split('/')[-1]}"]
-        elif key in OPTIONAL_KEYS or _is_trainer_key(key):
-            # Set it whether or not the recipe has the key (Hydra needs ++ for that): every field of a stage's TRL
-            # config class is a valid knob, checked by name and type in `validate`.
+        elif _is_schema_key(key) or _is_trainer_key(key):
+            # Set it whether or not the recipe has the key (Hydra needs ++ for that): every field of the schema and
+            # of a stage's TRL config class is a valid knob, checked by name and type in `validate`.
             out.append(f"++{item}")
         else:
             out.append(item)
     return out
+
+
+def _is_schema_key(key: str) -> bool:
+    """A dotted key naming a plain field of a config group in the schema (`debug.fault.rank`, `serve.port`)."""
+    parts, cls = key.split("."), RootCfg
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        return False
+    for depth, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return False
+        kind = typing.get_type_hints(cls).get(part)
+        if depth == len(parts) - 1:
+            return not dataclasses.is_dataclass(kind)
+        cls = kind
+    return False
 
 
 def _is_trainer_key(key: str) -> bool:

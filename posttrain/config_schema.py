@@ -210,6 +210,21 @@ class RunCfg:
 
 
 @dataclass
+class FaultCfg:
+    """Make one rank raise as it starts one training step, as a crashed process would."""
+    rank: int | None = None  # none: no fault
+    step: int = 1  # the training step (1-based) that rank raises in
+    stage: str | None = None  # that stage only; none: every training stage
+
+
+@dataclass
+class DebugCfg:
+    """Switches that only tests of the project use (multi-process runs). No stage's config hash covers them."""
+    fault: FaultCfg = field(default_factory=FaultCfg)
+    weight_digest_dir: str | None = None  # every rank writes the sha256 of its final weights here, per stage
+
+
+@dataclass
 class RootCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
@@ -224,6 +239,7 @@ class RootCfg:
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
     run: RunCfg = field(default_factory=RunCfg)
+    debug: DebugCfg = field(default_factory=DebugCfg)
     stage: str | None = None  # run one stage by name
     parent: str | None = None  # the parent artifact of a single stage (a run's stage directory)
     seed: int = 0

@@ -37,7 +37,6 @@ from posttrain.training import world_size
 
 log = logging.getLogger("posttrain")
 LAUNCHED_ENV = "POSTTRAIN_LAUNCHED"  # set in a launched child: it runs its stage in-process, never launches again
-ARGS_ENV = "POSTTRAIN_LAUNCHER_ARGS"  # extra `accelerate launch` arguments, e.g. "--num_processes 2"
 SPEC, LOG = "launch.json", "launch.log"
 TAIL_LINES = 40
 MAX_ERRORS = 8
@@ -73,9 +72,9 @@ def launcher_for(cfg, stage: str) -> Path | None:
 
 
 def launch_command(config_file: Path, cfg, spec: Path) -> list[str]:
-    """`accelerate launch` (through this interpreter, so the same environment) with the recipe's and $ARGS_ENV's
-    arguments before the module."""
-    extra = [*cfg.pipeline.launcher_args, *shlex.split(os.environ.get(ARGS_ENV, ""))]
+    """`accelerate launch` (through this interpreter, so the same environment) with the recipe's
+    `pipeline.launcher_args` before the module."""
+    extra = list(cfg.pipeline.launcher_args)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), *extra,
             "-m", "posttrain.launch", str(spec)]
 

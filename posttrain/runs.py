@@ -42,7 +42,7 @@ def stage_run(cfg, name: str, index: int, parent: Path | None, run_dir: Path, ru
     digest = stage_hash(config, manifest_sha256(parent) if parent else None,
                         {k: manifest_sha256(v) for k, v in inputs.items()})
     return StageRun(name=name, out_dir=out_dir, parent=parent, config=config, config_hash=digest, run_name=run_name,
-                    inputs=inputs)
+                    inputs=inputs, debug=OmegaConf.to_container(cfg.debug, resolve=True) if "debug" in cfg else {})
 
 
 def execute_stage(cfg, run: StageRun, run_dir: Path) -> None:

@@ -24,10 +24,7 @@ from posttrain.planner import PlannerError, load_config, plan_model, verdict_lin
 
 log = logging.getLogger("posttrain")
 INTENT = ".config_hash"  # written when a stage starts: checkpoints of another config are stale
-DDP_TIMEOUT_ENV = "POSTTRAIN_DDP_TIMEOUT"  # seconds a collective waits for a peer (recipe: trainer.ddp_timeout)
 DDP_TIMEOUT_DEFAULT = 1800  # transformers' own default
-FAULT_ENV = "POSTTRAIN_FAULT_INJECT"  # test hook: "rank=1,step=2[,stage=sft]" raises in that rank at that step
-DIGEST_ENV = "POSTTRAIN_WEIGHT_DIGEST_DIR"  # test hook: each rank writes <dir>/<stage>.rank<r>.sha256 in finish
 
 
 @dataclass
@@ -42,6 +39,7 @@ class StageRun:
     run_name: str
     inputs: dict[str, Path] = field(default_factory=dict)  # other artifacts the stage reads (grpo: reward_model)
     started_at: str = field(default_factory=now)
+    debug: dict = field(default_factory=dict)  # the recipe's `debug` group: test switches, outside the config hash
 
     @property
     def checkpoints(self) -> Path:
@@ -73,11 +71,10 @@ def is_main_process() -> bool:
 
 
 def ddp_timeout(trainer_block: dict | None = None) -> int:
-    """Seconds a collective waits for a peer before failing: the recipe's trainer.ddp_timeout, else
-    $POSTTRAIN_DDP_TIMEOUT, else 1800. Tests set the variable low so a dead peer fails the stage in about a minute."""
+    """Seconds a collective waits for a peer before failing: the recipe's trainer.ddp_timeout, else 1800."""
     if trainer_block and trainer_block.get("ddp_timeout") is not None:
         return int(trainer_block["ddp_timeout"])
-    return int(os.environ.get(DDP_TIMEOUT_ENV, DDP_TIMEOUT_DEFAULT))
+    return DDP_TIMEOUT_DEFAULT
 
 
 def init_distributed(trainer_block: dict | None = None) -> None:
@@ -318,9 +315,9 @@ def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: di
 
 # --- test hooks ------------------------------------------------------------------------------------------------------
 def write_weight_digest(model, run: StageRun) -> None:
-    """Test hook: with $POSTTRAIN_WEIGHT_DIGEST_DIR set, every rank writes the sha256 of its final weights (names,
+    """Test hook: with `debug.weight_digest_dir` set, every rank writes the sha256 of its final weights (names,
     shapes and bytes in name order) to <dir>/<stage>.rank<r>.sha256, so a test can see that the ranks agree."""
-    target = os.environ.get(DIGEST_ENV)
+    target = run.debug.get("weight_digest_dir")
     if not target:
         return
     import torch
@@ -334,31 +331,19 @@ def write_weight_digest(model, run: StageRun) -> None:
     (Path(target) / f"{run.name.replace(':', '-')}.rank{rank()}.sha256").write_text(digest.hexdigest())
 
 
-def fault_injection() -> dict | None:
-    """{"rank", "step"[, "stage"]} from $POSTTRAIN_FAULT_INJECT="rank=1,step=2[,stage=sft]", or None when unset."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    try:
-        fields = dict(part.split("=", 1) for part in spec.replace(" ", "").split(","))
-        return {"rank": int(fields["rank"]), "step": int(fields["step"]), "stage": fields.get("stage")}
-    except (KeyError, ValueError):
-        raise ValueError(f"{FAULT_ENV}='{spec}': expected 'rank=<int>,step=<int>[,stage=<name>]'") from None
-
-
 def install_test_hooks(trainer, run: StageRun) -> None:
-    """Test hook: with $POSTTRAIN_FAULT_INJECT set, the named rank raises when it starts the named training step (of
-    the named stage, or of every stage), as a crashed process would. Nothing is added when the variable is unset."""
-    target = fault_injection()
-    if target is None or target["stage"] not in (None, run.name):
+    """Test hook: with `debug.fault.rank` set, that rank raises when it starts training step `debug.fault.step` (of
+    stage `debug.fault.stage`, or of every stage), as a crashed process would. Nothing is added otherwise."""
+    fault = run.debug.get("fault") or {}
+    if fault.get("rank") is None or fault.get("stage") not in (None, run.name):
         return
     from transformers import TrainerCallback
 
     class FaultInjection(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             # global_step counts finished steps: step N begins when N - 1 are done
-            if rank() == target["rank"] and state.global_step + 1 == target["step"]:
-                raise RuntimeError(f"{FAULT_ENV}: injected failure in rank {rank()} at step {target['step']} "
+            if rank() == fault["rank"] and state.global_step + 1 == fault["step"]:
+                raise RuntimeError(f"debug.fault: injected failure in rank {rank()} at step {fault['step']} "
                                    f"of {run.name}")
 
     trainer.add_callback(FaultInjection())

@@ -205,7 +205,7 @@ def main(cfg, run: StageRun) -> dict:
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
     if resume:
         log.info("grpo: resuming from %s", resume)
-    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
+    training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     timer = StepTimer()
     timer.attach(trainer)
     started = time.perf_counter()

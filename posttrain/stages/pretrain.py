@@ -51,7 +51,7 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("pretrain: resuming from %s", resume)
-    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
+    training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     trainer.train(resume_from_checkpoint=resume)
 
     # --- save + manifest ---------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def main(cfg, run: StageRun) -> dict:
     resume = training.last_checkpoint(run)
     if resume:
         log.info("reward_model: resuming from %s", resume)
-    training.install_test_hooks(trainer, run)  # no-op unless a test sets POSTTRAIN_FAULT_INJECT
+    training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
     if peft_config is not None:

@@ -59,8 +59,10 @@ def pipeline_args(root: Path, name: str, base: Path, per_device: int, stages=STA
             f"parent={base}", f"run.root={root}", f"run.name={name}"]
     for stage in stages:
         batch = 2 * per_device if stage == "grpo" else per_device  # GRPO: 4 generations of 2 prompts per process
+        # ddp_timeout: a peer that died fails the stage within a minute rather than transformers' 30
         args += [f"{stage}.trainer.max_steps={STEPS}", f"{stage}.trainer.logging_steps=1",
-                 f"{stage}.trainer.per_device_train_batch_size={batch}", f"{stage}.trainer.save_steps=100"]
+                 f"{stage}.trainer.ddp_timeout=60", f"{stage}.trainer.per_device_train_batch_size={batch}",
+                 f"{stage}.trainer.save_steps=100"]
     if "dpo" in stages:  # plain sigmoid loss (module docstring); the reference pass covers 64 pairs, not 200
         args += ["dpo.trainer.loss_type=[sigmoid]", "dpo.trainer.loss_weights=[1.0]", "dpo.pairs.n_train=64",
                  "dpo.pairs.n_eval=16"]
@@ -98,11 +100,11 @@ def base(tmp_path_factory) -> Path:
 def runs(base, tmp_path_factory) -> dict[str, Path]:
     """The same four stages in one process (batch 2B) and in two (B each); each rank's weight digest per stage."""
     root = tmp_path_factory.mktemp("runs")
-    one = posttrain(*pipeline_args(root, "one", base, 2 * B), timeout=600, OMP_NUM_THREADS="1",
-                    POSTTRAIN_WEIGHT_DIGEST_DIR=str(root / "digest-one"))
+    one = posttrain(*pipeline_args(root, "one", base, 2 * B), f"debug.weight_digest_dir={root / 'digest-one'}",
+                    timeout=600, OMP_NUM_THREADS="1")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(*pipeline_args(root, "two", base, B), timeout=600, POSTTRAIN_DDP_TIMEOUT="60",
-                   POSTTRAIN_WEIGHT_DIGEST_DIR=str(root / "digest-two"))
+    two = torchrun(*pipeline_args(root, "two", base, B), f"debug.weight_digest_dir={root / 'digest-two'}",
+                   timeout=600)
     assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
     return {"one": root / "one", "two": root / "two", "digest-two": root / "digest-two", "log-two": two.stderr,
             "base": base}
@@ -166,13 +168,13 @@ def test_posttrain_run_launches_each_stage_under_accelerate_and_a_crashed_rank_f
     """pipeline.launcher=ddp: for each training stage the parent writes launch.json and runs `accelerate launch`
     (2 CPU processes, torchrun underneath). SFT: the child composes the same config (the same hash as the torchrun
     run's SFT, whose overrides it shares) and trains the same steps. The reward model: rank 1 raises at step 2
-    ($POSTTRAIN_FAULT_INJECT); rank 0 does not hang in its next collective, the stage ends within a minute or so
+    (debug.fault); rank 0 does not hang in its next collective, the stage ends within a minute or so
     with no manifest, and the parent stops with exit code 2 naming the stage, the command, the child's log and
     rank 1's error."""
     port = free_port()
     result = posttrain(*pipeline_args(tmp_path, "l", base, B, stages=["sft", "reward_model"]), "pipeline.launcher=ddp",
-                       timeout=300, POSTTRAIN_DDP_TIMEOUT="30", POSTTRAIN_FAULT_INJECT="rank=1,step=2,stage=reward_model",
-                       POSTTRAIN_LAUNCHER_ARGS=f"--num_processes 2 --mixed_precision no --main_process_port {port}")
+                       f"pipeline.launcher_args=[--num_processes,2,--mixed_precision,no,--main_process_port,{port}]",
+                       "debug.fault.rank=1", "debug.fault.step=2", "debug.fault.stage=reward_model", timeout=300)
     assert result.returncode == 2, result.stderr[-4000:]
     sft_dir, rm_dir = tmp_path / "l" / "00-sft", tmp_path / "l" / "01-reward_model"
     manifest = verify_artifact(sft_dir)
@@ -186,7 +188,7 @@ def test_posttrain_run_launches_each_stage_under_accelerate_and_a_crashed_rank_f
     assert "reward_model: the stage failed under accelerate launch" in error
     assert f"--config_file {REPO / 'recipes' / 'accelerate' / 'ddp.yaml'}" in error
     assert str(rm_dir / "launch.log") in error
-    assert "[rank1]: RuntimeError: POSTTRAIN_FAULT_INJECT: injected failure in rank 1 at step 2 of reward_model" in error
+    assert "[rank1]: RuntimeError: debug.fault: injected failure in rank 1 at step 2 of reward_model" in error
     assert not (rm_dir / "manifest.json").exists()
     # from the parent's "running" line to the failed child's last line: no hang on the dead peer
     started = re.search(r"\[posttrain (\d\d:\d\d:\d\d)\] reward_model: running", result.stderr).group(1)

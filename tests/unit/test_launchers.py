@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -134,9 +133,9 @@ def test_only_training_stages_of_a_parent_process_are_launched(monkeypatch):
     assert launch.launcher_for(compose(["pipeline=tiny-ci"]), "sft") is None  # single
 
 
-def test_launch_command_carries_recipe_and_environment_arguments(monkeypatch, tmp_path):
-    cfg = compose(["pipeline=tiny-ci", "pipeline.launcher=ddp", "pipeline.launcher_args=[--num_processes,2]"])
-    monkeypatch.setenv(launch.ARGS_ENV, "--mixed_precision no --main_process_port 29999")
+def test_launch_command_carries_the_recipe_arguments(tmp_path):
+    cfg = compose(["pipeline=tiny-ci", "pipeline.launcher=ddp",
+                   "pipeline.launcher_args=[--num_processes,2,--mixed_precision,no,--main_process_port,29999]"])
     command = launch.launch_command(ACCELERATE / "ddp.yaml", cfg, tmp_path / "launch.json")
     assert command[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / "ddp.yaml"),
                            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29999",
@@ -176,34 +175,47 @@ def test_an_unknown_launcher_fails_before_anything_is_written(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_fault_injection_spec_is_parsed_and_checked(monkeypatch):
+def test_test_switches_are_a_typed_debug_group_outside_the_config_hash(tmp_path):
+    """`debug.*` reaches the StageRun (and a launched child composes it from the same overrides) without changing
+    the stage's config hash; its values are typed like any recipe key."""
     from posttrain import training
 
-    monkeypatch.delenv(training.FAULT_ENV, raising=False)
-    assert training.fault_injection() is None
-    monkeypatch.setenv(training.FAULT_ENV, "rank=1, step=2")
-    assert training.fault_injection() == {"rank": 1, "step": 2, "stage": None}
-    monkeypatch.setenv(training.FAULT_ENV, "rank=1,step=2,stage=dpo")
-    assert training.fault_injection()["stage"] == "dpo"
-    monkeypatch.setenv(training.FAULT_ENV, "rank=one")
-    with pytest.raises(ValueError, match="expected 'rank=<int>,step=<int>"):
-        training.fault_injection()
+    plain = compose(["pipeline=tiny-ci"])
+    debug = compose(["pipeline=tiny-ci", "debug.fault.rank=1", "debug.fault.step=2", "debug.fault.stage=sft",
+                     f"debug.weight_digest_dir={tmp_path}"])
+    run, debug_run = (runs.stage_run(c, "sft", 1, None, tmp_path / "r", "r") for c in (plain, debug))
+    assert debug_run.config_hash == run.config_hash
+    assert debug_run.debug == {"fault": {"rank": 1, "step": 2, "stage": "sft"}, "weight_digest_dir": str(tmp_path)}
+    assert run.debug["fault"]["rank"] is None
+    with pytest.raises(RecipeError, match="debug.fault.step"):
+        compose(["pipeline=tiny-ci", "debug.fault.step=two"])
+
+    class Trainer:
+        callbacks = []
+
+        def add_callback(self, callback):
+            self.callbacks.append(callback)
+
+    for stage_run, added in ((run, 0), (debug_run, 1)):
+        trainer = Trainer()
+        trainer.callbacks = []
+        training.install_test_hooks(trainer, stage_run)
+        assert len(trainer.callbacks) == added
+    state = SimpleNamespace(global_step=1)
+    with mock.patch.object(training, "rank", return_value=1), pytest.raises(RuntimeError, match="rank 1 at step 2"):
+        trainer.callbacks[0].on_step_begin(None, state, None)
 
 
-def test_ddp_timeout_comes_from_the_recipe_then_the_environment(monkeypatch):
+def test_ddp_timeout_comes_from_the_recipe():
     from posttrain import training
 
-    monkeypatch.delenv(training.DDP_TIMEOUT_ENV, raising=False)
-    assert training.ddp_timeout({}) == 1800
-    monkeypatch.setenv(training.DDP_TIMEOUT_ENV, "45")
-    assert training.ddp_timeout(None) == 45
+    assert training.ddp_timeout({}) == 1800 and training.ddp_timeout(None) == 1800
     assert training.ddp_timeout({"ddp_timeout": 600}) == 600
 
 
 def test_a_child_that_fails_or_writes_nothing_is_a_stage_launch_error(monkeypatch, tmp_path):
     import sys
 
-    from posttrain import pipeline
     from posttrain.artifacts import ArtifactError
 
     cfg = compose(["pipeline=tiny-ci", "pipeline.launcher=ddp", f"run.root={tmp_path}", "run.name=r"])
