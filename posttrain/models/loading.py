@@ -145,7 +145,7 @@ def sync_dir(directory: Path) -> None:
 def check_model_reachable(name_or_path: str, revision: str | None = None) -> None:
     """FileNotFoundError, naming `name_or_path`, unless it is a local model directory or a hub id that can be loaded
     (offline: one in the local Hugging Face cache). Cheap: reads no weights."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants, file_exists, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -160,11 +160,22 @@ def check_model_reachable(name_or_path: str, revision: str | None = None) -> Non
         validate_repo_id(name_or_path)
     except HFValidationError:
         raise FileNotFoundError(f"model {name_or_path}: neither an existing local path nor a hub id") from None
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name_or_path, "config.json",
-                                                                           revision=revision), str):
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json", revision=revision), str):
+        return
+    if constants.HF_HUB_OFFLINE:
         raise FileNotFoundError(
             f"model {name_or_path}: not a local path, and not in the Hugging Face cache ({constants.HF_HUB_CACHE}); "
             "this run is offline (HF_HUB_OFFLINE=1): download it first, or give a local model directory")
+    try:  # one metadata request: a machine without a route to the hub fails here in a line, not in from_pretrained
+        found = file_exists(name_or_path, "config.json", revision=revision)
+    except Exception as err:  # noqa: BLE001 - no network, no such repo, a gated one: say which, and what to do
+        raise FileNotFoundError(
+            f"model {name_or_path}: not a local path, not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and "
+            f"the hub could not be asked for it ({type(err).__name__}: {str(err)[:200]}); give a local model "
+            "directory, or download it first") from None
+    if not found:
+        raise FileNotFoundError(f"model {name_or_path}: the hub has no config.json for it (no such model, or a "
+                                "private or gated one this machine has no token for)")
 
 
 def model_location(model_cfg, parent: Path | None) -> Path | str:

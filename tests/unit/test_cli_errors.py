@@ -36,3 +36,16 @@ def test_model_reachability(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"posttrain-test/absent: not a local path, and not in the Hugging "
                                                 r"Face cache .*HF_HUB_OFFLINE=1"):
         check_model_reachable("posttrain-test/absent")
+    # online, with no route to the hub (as on a machine without internet) or a hub without the model: one line
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_route(*args, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr("huggingface_hub.file_exists", no_route)
+    with pytest.raises(FileNotFoundError, match=r"posttrain-test/absent: not a local path, not in the Hugging Face "
+                                                r"cache .* the hub could not be asked for it \(ConnectionError"):
+        check_model_reachable("posttrain-test/absent")
+    monkeypatch.setattr("huggingface_hub.file_exists", lambda *args, **kwargs: False)
+    with pytest.raises(FileNotFoundError, match="the hub has no config.json for it"):
+        check_model_reachable("posttrain-test/absent")
