@@ -84,6 +84,7 @@ def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = 
     async def lifespan(app):
         yield
         served.scheduler.close()  # the engine thread stops with the server
+        served.engine.release()  # and its weights and cache go: FastAPI may keep this app's endpoints alive
 
     app = FastAPI(title="posttrain", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.served = served

@@ -105,6 +105,12 @@ class Engine:
         self.eos_ids = set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer))
         self.device = model.model.norm.weight.device
 
+    def release(self) -> None:
+        """Drop the model and its KV cache once the engine is done. A stopped server can stay referenced (FastAPI
+        keeps its endpoints, and their closures over the engine, in caches of its own), and an eval serves one
+        checkpoint after another in one process: without this each one's weights and cache would outlive it."""
+        self.model = self.decode_step = None
+
     # ---- the steps ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: torch.Tensor | None = None) -> torch.Tensor:

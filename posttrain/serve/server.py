@@ -224,6 +224,7 @@ def background_server(opts: ServeCfg, startup_timeout: float = 600.0):
         uv.should_exit = True
         thread.join(30)
         app.state.served.scheduler.close()
+        app.state.served.engine.release()
         sock.close()
 
     try:

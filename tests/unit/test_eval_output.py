@@ -23,9 +23,11 @@ from posttrain.serve.server import HTTP_LOGGERS
 
 
 def stub_app(received: list[str]):
-    """Chat completions as a server answers them: `n` choices, or an SSE stream ending with a usage chunk."""
+    """Chat completions as a server answers them: `n` choices, or an SSE stream ending with a usage chunk. The
+    engine's release() is recorded in `received` as "release"."""
     app = FastAPI()
-    app.state.served = SimpleNamespace(scheduler=SimpleNamespace(close=lambda: None))
+    app.state.served = SimpleNamespace(scheduler=SimpleNamespace(close=lambda: None),
+                                       engine=SimpleNamespace(release=lambda: received.append("release")))
     head = {"id": "c", "created": 0, "model": "stub"}
 
     @app.post("/v1/chat/completions")
@@ -109,7 +111,8 @@ def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers
     for stage in ("pretrain", "dpo"):
         row = scorecard.score_checkpoint(tmp_path / stage, suites, eval_cfg, serve_cfg)
         assert (row["echo"], row["arith"], row["arith_pass@1"], row["latency"]["requests"]) == (1.0, 1.0, 1.0, 2)
-    assert len(received) == 2 * total  # every request of both checkpoints went through the HTTP stack
+    # every request of both checkpoints went through the HTTP stack, and each server released its engine on exit
+    assert received.count("release") == 2 and len(received) == 2 * total + 2
     # the eval verified each checkpoint's weights itself and served its model/ directory: no second hash
     assert resolved == [str(tmp_path / "pretrain" / "model"), str(tmp_path / "dpo" / "model")]
     assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar, no line per request

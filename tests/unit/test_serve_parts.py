@@ -225,3 +225,18 @@ def test_one_serving_options_type_and_an_artifact_hashed_once(tmp_path, monkeypa
     monkeypatch.setattr(artifacts, "sha256_file", lambda path: (hashed.append(path), real(path))[1])
     assert resolve_model(str(model.parent)) == (str(model), "dpo") and len(hashed) == 1
     assert resolve_model(str(model)) == (str(model), "model") and len(hashed) == 1
+
+
+def test_a_released_engine_frees_its_model_and_cache():
+    """An eval serves one checkpoint after another in one process: each engine's weights and KV cache must go when
+    its server stops, even while something (FastAPI's caches) still holds the engine."""
+    import gc
+    import weakref
+
+    engine = Engine(model_from_hf(tiny_hf("qwen3")), None, max_batch=4, max_len=64, stop_token_ids=[])
+    Scheduler(engine).close()  # a scheduler allocates the cache, as the server's does
+    model = weakref.ref(engine.model)
+    cache = weakref.ref(engine.model.model.layers[0].self_attn.cache.k)
+    engine.release()
+    gc.collect()
+    assert model() is None and cache() is None
