@@ -179,6 +179,10 @@ def _check_stage_options(cfg: DictConfig, choices, overrides) -> None:
             key = f"{stage}.qlora"
             raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)} is true, but only sft "
                               f"trains on a 4-bit parent (QLoRA); {stage} would ignore it")
+    if cfg.grpo.rollout.backend == "posttrain" and cfg.grpo.trainer.get("use_vllm"):
+        key = "grpo.trainer.use_vllm"
+        raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)} is true, but "
+                          "grpo.rollout.backend is posttrain (the engine generates); use rollout.backend=vllm")
     if cfg.grpo.trainer.get("reward_weights") is not None:
         key = "grpo.trainer.reward_weights"
         raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)}: GRPO takes its rewards' "

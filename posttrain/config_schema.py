@@ -100,8 +100,17 @@ class PromptsCfg:
 
 
 @dataclass
+class RolloutCfg:
+    # who generates GRPO's completions: trl (transformers' generate inside the trainer) | posttrain (the project's
+    # KV-cached engine over the trainer's own weights, synced after every optimizer step) | vllm (TRL's vLLM path,
+    # GPUs only: sets grpo.trainer.use_vllm)
+    backend: str = "trl"
+
+
+@dataclass
 class GrpoCfg(StageCfg):
     prompts: PromptsCfg = field(default_factory=PromptsCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
     rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
     reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
 
@@ -258,4 +267,5 @@ OPTION_VALUES = {
                         "on_bad_row": ("error", "drop")}.items()
 }
 OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
+OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
 QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: bool = False  # record each chosen token's log-probability (of the logits divided by the temperature)
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -50,6 +51,9 @@ class Completion:
     finish_reason: str  # "stop" (stop token or string) or "length"
     ttft_s: float  # request start to first token: the prefill
     decode_s: float  # first token to last token
+    stop_token_id: int | None = None  # the stop token that ended it (not in token_ids)
+    # with SamplingParams.logprobs: one per token of token_ids, then one for stop_token_id when there is one
+    logprobs: list[float] | None = None
 
     @property
     def tbt_s(self) -> float | None:
@@ -72,6 +76,22 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One token per row of logits [B, vocab] with the same parameters for every row, drawn together from torch's
+    global generator (what `sample` does row by row, in one call: on a batch of 128 rows the per-row calls took
+    longer than the model's decode step)."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1)[:, 0]
 
 
 def accept_token(token: int, tokens: list[int], p: SamplingParams, eos_ids: set[int],
@@ -158,21 +178,38 @@ class Engine:
         generators = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None
                       for p in params]
         greedy = all(p.temperature == 0 for p in params)
+        # rows without seeds that share their sampling parameters (a GRPO roll-out) are drawn in one call
+        knobs = {(p.temperature, p.top_p, p.top_k) for p in params}
+        together = not greedy and len(knobs) == 1 and all(p.seed is None for p in params)
         new: list[list[int]] = [[] for _ in range(n)]
         reason: list[str | None] = [None] * n
         texts: list[str | None] = [None] * n
         token_time = [[0.0, 0.0] for _ in range(n)]  # first and last token times per row
 
+        want_logprobs = any(p.logprobs for p in params)
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        stop_ids: list[int | None] = [None] * n
+        # log-probabilities of the distribution sampled from: the logits over the temperature (1 for greedy rows)
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)[:, None]
+
         t0 = time.perf_counter()
         logits = self.prefill(prompts)
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         while True:
-            chosen = (logits.argmax(-1).tolist() if greedy else
-                      [sample(logits[r], params[r], generators[r]) for r in range(n)])
+            chosen = (logits.argmax(-1).tolist() if greedy else sample_rows(logits, params[0]).tolist() if together
+                      else [sample(logits[r], params[r], generators[r]) for r in range(n)])
+            chosen_lp = (torch.log_softmax(logits.float() / temps, dim=-1)
+                         .gather(1, torch.tensor(chosen, device=self.device)[:, None])[:, 0].tolist()
+                         if want_logprobs else None)
             now = time.perf_counter()
             for r, token in enumerate(chosen):
                 if reason[r] is None:
+                    kept = len(new[r])
                     self._accept(r, token, new, reason, texts, params[r])
+                    if len(new[r]) == kept and reason[r] == "stop" and texts[r] is None:
+                        stop_ids[r] = token  # a stop token ended the row
+                    if chosen_lp is not None and (len(new[r]) > kept or stop_ids[r] is not None):
+                        logprobs[r].append(chosen_lp[r])
                     token_time[r][0] = token_time[r][0] or now
                     token_time[r][1] = now
             if all(reason):
@@ -182,7 +219,8 @@ class Engine:
             pos = pos + 1
         return [
             Completion(len(prompts[r]), new[r], texts[r] if texts[r] is not None else self._text(new[r]),
-                       reason[r], token_time[r][0] - t0, token_time[r][1] - token_time[r][0])
+                       reason[r], token_time[r][0] - t0, token_time[r][1] - token_time[r][0],
+                       stop_ids[r], logprobs[r] if params[r].logprobs else None)
             for r in range(n)
         ]
 
@@ -204,14 +242,15 @@ def default_stop_ids(tokenizer) -> list[int]:
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
-def model_from_hf(hf_model) -> Transformer:
-    """Our Transformer holding the same tensors as a transformers causal LM (no copy)."""
+def model_from_hf(hf_model, state: dict | None = None) -> Transformer:
+    """Our Transformer holding the same tensors as a transformers causal LM (no copy), or the tensors of `state`
+    (checkpoint names) under that model's config."""
     config = hf_model.config
     args = ModelArgs.from_hf_config(config)
     inv_freq, scale = rope_inv_freq(config)
     with torch.device("meta"):
         model = Transformer(args, inv_freq, float(scale))
-    state = split_fused_experts(dict(hf_model.state_dict()), args)
+    state = split_fused_experts(dict(hf_model.state_dict() if state is None else state), args)
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

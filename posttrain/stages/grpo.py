@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
+from posttrain.serve.rollout import EngineRollout
 from posttrain.training import StageRun
 from rewards import REWARDS
 from rewards.advantages import equal_reward_fraction, group_advantages
@@ -165,6 +167,9 @@ def main(cfg, run: StageRun) -> dict:
     if cfg.grpo.chat_template_kwargs:
         args.chat_template_kwargs = dict(cfg.grpo.chat_template_kwargs)
     args.log_completions = args.log_completions or "wandb" in (args.report_to or [])
+    backend = cfg.grpo.rollout.backend
+    if backend == "vllm":
+        args.use_vllm = True
 
     # --- model, prompts, rewards ---------------------------------------------------------------------------------
     location = model_location(cfg.model, run.parent)
@@ -189,8 +194,8 @@ def main(cfg, run: StageRun) -> dict:
             log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
-    log.info("grpo: %d prompts x %d generations; rewards %s", len(rows), args.num_generations,
-             {n: w for n, (_, w) in funcs.items()})
+    log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s", len(rows), args.num_generations,
+             {n: w for n, (_, w) in funcs.items()}, backend)
     peft_config = None
     if cfg.grpo.lora is not None:
         from omegaconf import OmegaConf
@@ -201,8 +206,15 @@ def main(cfg, run: StageRun) -> dict:
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
+    rollout = None
+    if backend == "posttrain":
+        rollout = EngineRollout(tokenizer)
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")  # TRL marks it experimental
     trainer = GRPOTrainer(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
+    if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        raise ValueError("grpo.rollout.backend=posttrain runs the engine on each process's whole model; ZeRO-3 and "
+                         "FSDP shard it. Use rollout.backend=trl (or vllm on GPUs) with those launchers")
     if resume:
         log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
@@ -222,7 +234,7 @@ def main(cfg, run: StageRun) -> dict:
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), **moe.metrics(),
                "reward_curve": curve, "completions_table": COMPLETIONS, "step_seconds": step_seconds,
-               "prompts": len(rows)}
+               "prompts": len(rows), "rollout_backend": backend}
     if curve:
         log.info("grpo: mean reward by logging step: %s",
                  " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))

@@ -98,10 +98,17 @@ def test_pipelines_compose(pipeline):
     (["dpo=pku_saferlhf", "dpo.pairs.preference=safest"], "dpo.pairs.preference"),
     (["reward_model=pku_saferlhf", "reward_model.pairs.on_bad_row=skip"], "reward_model.pairs.on_bad_row"),
     (["dpo.pairs.source=pku"], "dpo.pairs.source"),
+    (["grpo.rollout.backend=engine"], "grpo.rollout.backend"),
 ])
 def test_closed_option_values_fail_at_start_up_naming_the_key(overrides, key):
     with pytest.raises(RecipeError, match=rf"recipe key '{key}' in command-line override .* valid values: "):
         compose(overrides)
+
+
+def test_engine_rollouts_with_vllm_generation_is_refused_at_start_up():
+    assert compose(["grpo.rollout.backend=posttrain"]).grpo.rollout.backend == "posttrain"
+    with pytest.raises(RecipeError, match=r"'grpo.trainer.use_vllm' .* is true, but grpo.rollout.backend is posttrain"):
+        compose(["grpo.rollout.backend=posttrain", "grpo.trainer.use_vllm=true"])
 
 
 @pytest.mark.parametrize("override, expected", [

