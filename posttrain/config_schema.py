@@ -187,6 +187,10 @@ class ServeCfg:
     dtype: str = "float32"  # float32 | bfloat16
     max_batch: int = 32  # rows of the KV cache: sequences decoding together
     max_len: int = 2048  # context per sequence, at most the model's
+    # the KV cache's dtype: auto (the weights': greedy replies then equal transformers' token for token, which the
+    # eval's exactness tests rely on) | bfloat16 (half the cache) | float32. The cache grows in blocks of 256
+    # positions per row as requests need them, up to max_batch x max_len
+    kv_dtype: str = "auto"
     backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
     served_model_name: str | None = None  # default: the artifact's label (dpo-int8), else the directory's name
     quant_backend: str = "auto"  # the engine's quantized matmul: auto | own | aten | ...
@@ -267,5 +271,6 @@ OPTION_VALUES = {
                         "on_bad_row": ("error", "drop")}.items()
 }
 OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
+OPTION_VALUES["serve.kv_dtype"] = ("auto", "float32", "bfloat16")
 OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
 QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}

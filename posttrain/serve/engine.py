@@ -8,6 +8,8 @@ slots a row has not reached yet, so a prompt gives the same greedy tokens alone 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +20,9 @@ from posttrain.models.loading import load_tokenizer, torch_dtype
 from posttrain.quant.export_read import load_quantized
 from posttrain.quant.linear import swap_linears
 from posttrain.serve.model import ModelArgs, Transformer, rope_inv_freq
+
+
+CACHE_BLOCK = 256  # the KV cache grows by this many positions per row at a time
 
 
 @dataclass
@@ -113,8 +118,9 @@ class Engine:
     """Generation over one model: `generate(prompts, params)` -> one `Completion` per prompt."""
 
     def __init__(self, model: Transformer, tokenizer, max_batch: int = 16, max_len: int | None = None,
-                 stop_token_ids: list[int] | None = None, compile: bool = False):
+                 stop_token_ids: list[int] | None = None, compile: bool = False, kv_dtype: torch.dtype | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
+        model.kv_dtype = kv_dtype  # None: the weights' dtype
         # compile: the decode step through torch.compile (Inductor fuses the norms, rotations and residual adds
         # into a few C++ loops: far fewer calls per token). It then attends over the whole cache, so the shapes
         # stay fixed and the step compiles once per batch size; the first call takes tens of seconds.
@@ -130,6 +136,24 @@ class Engine:
         keeps its endpoints, and their closures over the engine, in caches of its own), and an eval serves one
         checkpoint after another in one process: without this each one's weights and cache would outlive it."""
         self.model = self.decode_step = None
+        gc.collect()
+        trim_heap()
+
+
+    def reserve(self, positions: int, keep: bool = False) -> None:
+        """Make the KV cache hold at least `positions` per row (of max_batch rows): it grows in blocks of
+        CACHE_BLOCK positions up to max_len, and never shrinks, so it is as large as the longest request so far
+        needed rather than max_len (a compiled step attends over the whole cache, so it gets max_len at once).
+        keep: the cache holds running rows whose keys must survive the growth."""
+        rows, current = self.model.max_batch, self.model.max_len
+        if self.compiled:
+            length = self.max_len
+        elif rows == self.max_batch and positions <= current:
+            return
+        else:
+            length = min(self.max_len, max(current if rows == self.max_batch else 0,
+                                           -(-positions // CACHE_BLOCK) * CACHE_BLOCK))
+        self.model.setup_cache(self.max_batch, length, keep=keep and rows == self.max_batch)
 
     # ---- the steps ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -174,7 +198,7 @@ class Engine:
 
     def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         n = len(prompts)
-        self.model.setup_cache(self.max_batch, self.max_len)
+        self.reserve(max(len(p) + q.max_tokens for p, q in zip(prompts, params)))
         generators = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None
                       for p in params]
         greedy = all(p.temperature == 0 for p in params)
@@ -236,6 +260,16 @@ class Engine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim). Freed tensors below glibc's mmap threshold stay
+    in the heap, which glibc returns only from its top: without this a process that served one SmolLM2 checkpoint
+    after another kept ~370 MB of the first one's freed weights resident. No-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def default_stop_ids(tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
     return sorted(ids)
@@ -295,7 +329,7 @@ def model_from_checkpoint(config, tensors: dict, dtype: torch.dtype) -> Transfor
 
 
 def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: int | None = None,
-                quant_backend: str = "auto") -> Engine:
+                quant_backend: str = "auto", kv_dtype: str | None = None) -> Engine:
     """An engine for a model directory: a pipeline artifact's model/ or any HF directory of a supported family,
     float or quantized (the compressed-tensors / bitsandbytes exports of the quantize stage), whose quantized
     linears become fused dequant-matmul modules (`posttrain.quant.linear`)."""
@@ -316,4 +350,5 @@ def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: 
         model.eval()
     else:
         model = model_from_hf(AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype)))
-    return Engine(model, load_tokenizer(location), max_batch=max_batch, max_len=max_len)
+    return Engine(model, load_tokenizer(location), max_batch=max_batch, max_len=max_len,
+                  kv_dtype=torch_dtype(kv_dtype) if kv_dtype else None)

@@ -158,13 +158,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        self.cache.update(flat_index, k, v)
+        self.cache.update(flat_index, k.to(self.cache.k.dtype), v.to(self.cache.v.dtype))
         keys, values = self.cache.k[rows, :, :length], self.cache.v[rows, :, :length]  # [B, kv_heads, length, D]
         if seq == 1:
-            out = decode_attention(q, keys, values, mask)
+            out = decode_attention(q, keys, values, mask).to(q.dtype)
         else:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[2]
+                q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                enable_gqa=keys.shape[1] != q.shape[2]
             ).transpose(1, 2)
         return self.o_proj(out.reshape(bsz, seq, -1))
 
@@ -261,17 +262,32 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
         self.max_batch = self.max_len = 0
+        self.kv_dtype: torch.dtype | None = None
 
-    def setup_cache(self, max_batch: int, max_len: int) -> None:
-        """(Re)allocate every layer's KV cache for `max_batch` rows of `max_len` positions, and the rotary table."""
+    def setup_cache(self, max_batch: int, max_len: int, kv_dtype: torch.dtype | None = None,
+                    keep: bool = False) -> None:
+        """(Re)allocate every layer's KV cache for `max_batch` rows of `max_len` positions, and the rotary table.
+        kv_dtype: the cache's dtype (default: the weights'); keep: copy what the old cache holds into the new one
+        (the same rows, a longer cache: a running batch's cache grows without losing its keys)."""
         if max_len > self.args.max_position:
             raise ValueError(f"cache length {max_len} exceeds the model's max_position_embeddings {self.args.max_position}")
-        if (max_batch, max_len) == (self.max_batch, self.max_len):
-            return
         dtype, device = self.model.norm.weight.dtype, self.model.norm.weight.device
+        kv_dtype = kv_dtype or self.kv_dtype or dtype
+        if (max_batch, max_len, kv_dtype) == (self.max_batch, self.max_len, self.kv_dtype):
+            return
+        if keep and (max_batch != self.max_batch or max_len < self.max_len):
+            raise ValueError(f"a kept cache only grows longer: {self.max_batch} x {self.max_len} -> "
+                             f"{max_batch} x {max_len}")
         for block in self.model.layers:
-            block.self_attn.cache = KVCache(max_batch, max_len, self.args.num_kv_heads, self.args.head_dim, dtype, device)
-        self.max_batch, self.max_len = max_batch, max_len
+            old = block.self_attn.cache
+            block.self_attn.cache = None  # the old cache goes before the new one is made, unless it is kept
+            new = KVCache(max_batch, max_len, self.args.num_kv_heads, self.args.head_dim, kv_dtype, device)
+            if keep and old is not None:
+                new.k[:, :, :self.max_len] = old.k
+                new.v[:, :, :self.max_len] = old.v
+            block.self_attn.cache = new
+            del old
+        self.max_batch, self.max_len, self.kv_dtype = max_batch, max_len, kv_dtype
         freqs = torch.arange(max_len, device=device, dtype=torch.float)[:, None] * self.inv_freq.to(device)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D], computed as transformers does, then cast
         self.register_buffer("rope_cos", (emb.cos() * self.rope_scale).to(dtype), persistent=False)
@@ -280,11 +296,14 @@ class Transformer(nn.Module):
         heads = torch.arange(self.args.num_kv_heads, device=device)
         self.register_buffer("head_offsets", heads * max_len, persistent=False)
 
+    def cache_bytes(self) -> int:
+        """Bytes the KV caches hold now (all layers, keys and values)."""
+        caches = [block.self_attn.cache for block in self.model.layers if block.self_attn.cache is not None]
+        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in caches)
+
     def kv_bytes_per_token(self) -> int:
         """Bytes the KV cache holds per position of one row, over all layers (keys and values)."""
-        caches = [block.self_attn.cache for block in self.model.layers]
-        total = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in caches)
-        return total // (self.max_batch * self.max_len)
+        return self.cache_bytes() // (self.max_batch * self.max_len)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, rows: slice | torch.Tensor, length: int,
                 last: torch.Tensor | None = None) -> torch.Tensor:

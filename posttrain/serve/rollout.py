@@ -25,7 +25,6 @@ import torch
 from posttrain.serve.engine import Engine, SamplingParams, model_from_hf
 
 log = logging.getLogger("posttrain")
-CACHE_BLOCK = 64  # the KV cache's length grows in steps of this many positions, so it is not reallocated each step
 
 
 def lora_layers(model) -> dict:
@@ -80,7 +79,7 @@ class EngineRollout:
         """Build the engine over `model`'s tensors (the trainer's model, unwrapped)."""
         state, self.merged = engine_state(model)
         hf_model = model.get_base_model() if self.merged else model
-        self.engine = Engine(model_from_hf(hf_model, state), self.tokenizer, max_batch=1, max_len=CACHE_BLOCK)
+        self.engine = Engine(model_from_hf(hf_model, state), self.tokenizer, max_batch=1)
         self.max_position = hf_model.config.max_position_embeddings
         log.info("rollout: the engine runs the trainer's weights (%s)",
                  f"{len(self.merged)} LoRA layers merged and synced after each step" if self.merged
@@ -128,7 +127,6 @@ class EngineRollout:
                              f"{trainer.max_completion_length} exceed the model's {self.max_position} positions")
         # one batch for the whole generation batch; the cache grows in blocks and is kept between steps
         self.engine.max_batch = max(self.engine.max_batch, len(prompt_ids))
-        self.engine.max_len = min(max(self.engine.max_len, -(-needed // CACHE_BLOCK) * CACHE_BLOCK), self.max_position)
         outs = self.engine.generate(prompt_ids, params)
         completion_ids = [o.token_ids + ([o.stop_token_id] if o.stop_token_id is not None else []) for o in outs]
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [o.logprobs for o in outs]}

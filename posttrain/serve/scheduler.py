@@ -80,7 +80,7 @@ class Scheduler:
         self.stopping = False
         self.steps = 0  # decode steps run (tests read it to see batching happen)
         self.max_busy = 0  # the most rows decoded together so far
-        engine.model.setup_cache(self.rows, engine.max_len)
+        engine.reserve(1)  # the cache grows as admitted requests need it (Engine.reserve)
         self.thread = threading.Thread(target=self._loop, name="posttrain-engine", daemon=True)
         self.thread.start()
 
@@ -158,6 +158,7 @@ class Scheduler:
                 if request.params.seed is not None:
                     request.generator = torch.Generator(device=self.engine.device).manual_seed(request.params.seed)
                 self.busy[row] = request
+            self.engine.reserve(max(len(q.prompt) + q.params.max_tokens for q in batch), keep=True)
             rows = torch.tensor([q.row for q in batch], device=self.engine.device)
             logits = self.engine.prefill([q.prompt for q in batch], rows=rows)
             self._accept(batch, logits)

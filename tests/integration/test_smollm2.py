@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,3 +342,48 @@ def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smollm2, 
         adapted = [k for k in base.keys() if any(f".{t}." in k for t in LORA_TARGETS)]
         assert adapted and all(not base.get_tensor(k).equal(tuned.get_tensor(k)) for k in adapted)
         assert all(base.get_tensor(k).equal(tuned.get_tensor(k)) for k in base.keys() if k not in adapted)
+
+
+# --- serving one checkpoint after another in one process (what eval does) -------------------------------------------
+SERVE_FOUR = """
+import json, logging, sys
+import openai
+from posttrain.config_schema import ServeCfg
+from posttrain.serve.server import background_server
+
+def rss():  # resident bytes now (not the peak)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+logging.basicConfig(level=logging.INFO)
+after = []
+for i in range(4):
+    with background_server(ServeCfg(model=sys.argv[1], port=0, api_key="k", max_batch=32, max_len=2048)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="k")
+        reply = client.chat.completions.create(model=server.name, max_tokens=8,
+                                               messages=[{"role": "user", "content": "Say hi."}])
+        assert reply.choices[0].message.content
+    after.append(rss())
+print(json.dumps(after))
+"""
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2, capfd):
+    """Eval serves each checkpoint in turn in its own process. Each SmolLM2 server holds ~540 MB of fp32 weights
+    plus its cache, so four servers whose engines outlived them would hold 1.5 GB more after the fourth than after
+    the first; released, the resident memory after four stays within 300 MB of the first's. The server's start-up
+    line states weights and cache beside the planner's estimate."""
+    _, location = smollm2
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
+    result = subprocess.run([sys.executable, "-c", SERVE_FOUR, str(location)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"smollm2: resident MB after each of 4 servers: {[round(a / 1e6) for a in after]}")
+    assert max(after[1:]) <= after[0] + 300e6, after
+    line = next(x for x in result.stderr.splitlines() if "serve: memory:" in x)
+    print(f"smollm2: {line}")
+    served, planned = (float(x.replace(",", "")) for x in re.findall(r"weights ([\d,]+) MB", line))
+    assert abs(served / planned - 1) < 0.10, line

@@ -107,6 +107,51 @@ def test_request_joining_a_running_batch_gets_the_tokens_it_gets_alone(engine):
         scheduler.close()
 
 
+def test_cache_grows_in_blocks_as_requests_need_and_keeps_running_rows(engine, monkeypatch):
+    """The cache starts at one block per row and grows (by whole blocks, to what the longest admitted request needs,
+    at most max_len) while a request is running, without changing the running request's tokens."""
+    from posttrain.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CACHE_BLOCK", 8)
+    short, long_ = ([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=10)), ([9] * 11, SamplingParams(max_tokens=30))
+    alone = [engine.generate([p], q)[0].token_ids for p, q in (short, long_)]
+    engine.model.setup_cache(1, 8)  # as a fresh engine would start
+    scheduler = Scheduler(engine)
+    try:
+        assert engine.model.max_len == 8
+        late = Request(*long_)
+        lengths = []
+
+        def join_after_three(request: Request):  # runs on the engine thread, mid-generation
+            lengths.append(engine.model.max_len)
+            if len(request.tokens) == 3:
+                scheduler.submit(late)
+
+        first = Request(*short, on_token=join_after_three)
+        run(scheduler, [first])
+        done = threading.Semaphore(0)
+        late.on_finish = lambda _: done.release()
+        assert done.acquire(timeout=60)
+        assert [first.tokens, late.tokens] == alone
+        assert lengths[0] == 16 and engine.model.max_len == 48  # 6 + 10 -> 2 blocks; 11 + 30 -> 6 blocks
+        assert engine.model.cache_bytes() == 4 * 48 * engine.model.kv_bytes_per_token()
+    finally:
+        scheduler.close()
+
+
+def test_kv_cache_in_bfloat16_halves_it_and_keeps_greedy_tokens_close():
+    fp32 = Engine(model_from_hf(tiny_hf("qwen3")), None, max_batch=4, max_len=64, stop_token_ids=[])
+    bf16 = Engine(model_from_hf(tiny_hf("qwen3")), None, max_batch=4, max_len=64, stop_token_ids=[],
+                  kv_dtype=torch.bfloat16)
+    prompts = [[5, 6, 7, 8, 9, 10], [1, 2], [3, 4, 5], [9] * 11]
+    params = SamplingParams(max_tokens=16)
+    a, b = fp32.generate(prompts, params), bf16.generate(prompts, params)
+    assert bf16.model.cache_bytes() * 2 == fp32.model.cache_bytes()
+    assert bf16.model.model.layers[0].self_attn.cache.k.dtype == torch.bfloat16
+    same = sum(x == y for p, q in zip(a, b) for x, y in zip(p.token_ids, q.token_ids))
+    assert same >= 0.75 * 4 * 16, same  # rounding the keys may flip a near tie, not the whole reply
+
+
 def test_scheduler_rejects_bad_requests_and_cancels(engine):
     scheduler = Scheduler(engine)
     try:
@@ -240,3 +285,20 @@ def test_a_released_engine_frees_its_model_and_cache():
     engine.release()
     gc.collect()
     assert model() is None and cache() is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_served_memory_matches_the_planners_estimate(family, tmp_path):
+    """The weights and KV cache a server logs at start are within 10% of what the planner predicts for the same
+    config, rows and context (the cache exactly: both count layers x 2 x kv heads x head_dim x bytes)."""
+    from posttrain.serve.server import memory_report
+
+    hf = tiny_hf(family)
+    hf.config.save_pretrained(tmp_path)
+    engine = Engine(model_from_hf(hf), None, max_batch=8, max_len=96)
+    engine.reserve(1)
+    report = memory_report(engine, str(tmp_path))
+    assert abs(report["weights_bytes"] / report["planned_weights_bytes"] - 1) < 0.10, report
+    assert report["kv_bytes_max"] == report["planned_kv_bytes"] == 8 * 96 * report["kv_bytes_per_token"]
+    assert report["kv_bytes_now"] == report["kv_bytes_max"]  # one 256-position block exceeds max_len: capped
+    assert report["peak_rss_bytes"] > report["weights_bytes"]
