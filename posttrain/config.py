@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from posttrain.config_fields import describe, fits, lora_fields, trl_field_types, trl_fields
 from posttrain.config_schema import OPTION_VALUES, QUANT_OPTION_VALUES, TRAINER_CLASSES, RootCfg
+from posttrain.registry import parse
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
 GROUPS = ("model", "data", "pretrain", "sft", "reward_model", "grpo", "dpo", "quantize", "eval", "tracking", "pipeline")
@@ -230,8 +231,8 @@ def stage_view(cfg: DictConfig, stage: str) -> dict:
     """The part of the config one stage depends on: what its config hash covers. `quantize:<variant>` covers the
     shared quantize keys and that one variant, so adding a variant does not re-run the others."""
     keep = {"model": cfg.model, "data": cfg.data, "seed": cfg.seed}
-    base, _, variant = stage.partition(":")
-    if base == "quantize":
+    entry, variant = parse(stage)
+    if entry.name == "quantize":
         block = OmegaConf.to_container(cfg.quantize, resolve=True)
         variant = variant or block["variant"]
         if variant not in block["variants"]:
@@ -239,6 +240,6 @@ def stage_view(cfg: DictConfig, stage: str) -> dict:
                               f"(has {', '.join(block['variants']) or 'none'})")
         block.update(variant=variant, variants={variant: block["variants"][variant]})
         keep["quantize"] = block
-    elif stage in cfg:
-        keep[stage] = cfg[stage]
+    elif entry.name in cfg:
+        keep[entry.name] = cfg[entry.name]
     return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)

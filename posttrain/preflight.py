@@ -1,7 +1,8 @@
 """What `posttrain run` and `posttrain stage=...` check before the first stage starts, so that a setting that would
 fail in the third stage fails now, in one line: the model can be loaded (a local directory, or a hub id in the
-cache when offline), every training stage's trainer block builds its TRL config object, and every GRPO reward
-name exists. `posttrain run --dry-run` runs these checks and stops.
+cache when offline), every training stage's trainer block builds its TRL config object, every GRPO reward
+name exists, and every quantize variant's group size divides the widths of the layers it will quantize.
+`posttrain run --dry-run` runs these checks and stops.
 
 Recipe keys and value types are checked earlier still, when the recipe is composed (posttrain.config).
 """
@@ -15,7 +16,10 @@ from pathlib import Path
 from posttrain import training
 from posttrain.config import RecipeError
 from posttrain.config_schema import TRAINER_CLASSES
-from posttrain.models.loading import check_model_reachable
+from posttrain.models.loading import cache_dir, check_model_reachable
+from posttrain.planner.config import PlannerError, load_config
+from posttrain.quant.formats import resolve_group_size
+from posttrain.registry import parse
 from rewards import REWARDS
 
 
@@ -27,7 +31,7 @@ def preflight(cfg, stages: list[str]) -> list[str]:
         checked.append(f"model {cfg.model.name_or_path}")
     # Under torchrun each rank is already one of several: a TRL config object built now would start the process
     # group without the run's timeout (training.init_distributed starts it first, when the stage begins).
-    trainers = [] if training.world_size() > 1 else list(dict.fromkeys(name.partition(":")[0] for name in stages))
+    trainers = [] if training.world_size() > 1 else list(dict.fromkeys(parse(name)[0].name for name in stages))
     with tempfile.TemporaryDirectory(prefix="posttrain-preflight-") as scratch:
         for stage in trainers:
             if stage in TRAINER_CLASSES:
@@ -36,7 +40,52 @@ def preflight(cfg, stages: list[str]) -> list[str]:
     if "grpo" in stages:
         check_rewards(cfg)
         checked.append(f"grpo.rewards ({', '.join(cfg.grpo.rewards)})")
+    variants = [v for stage, v in map(parse, stages) if stage.name == "quantize" and v]
+    if variants and (widths := layer_widths(cfg)):
+        check_group_sizes(cfg, variants, widths)
+        checked.append(f"quantize group sizes ({', '.join(variants)}) against widths {sorted(set(widths.values()))}")
     return checked
+
+
+def layer_widths(cfg) -> dict[str, int]:
+    """The input widths of the linear layers a quantizer meets (name -> width), from the model's config when it
+    can be read without loading weights; empty when it cannot (the quantize stage checks again itself)."""
+    if cfg.model.source == "tiny":
+        arch = cfg.model.arch
+        config = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+                  "num_attention_heads": arch.num_attention_heads, "head_dim": arch.head_dim}
+    else:
+        if cfg.parent:
+            source = Path(cfg.parent) / "model"
+        elif cfg.model.source == "gguf":  # the cached safetensors copy, when it exists (it holds the config)
+            source = cache_dir() / "gguf" / Path(cfg.model.gguf_file).stem
+        else:
+            source = cfg.model.name_or_path
+        try:
+            config = load_config(source)
+        except (PlannerError, OSError, ValueError):
+            return {}
+        config = config.get("text_config", config)
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    widths = {"q/k/v/gate/up_proj (hidden_size)": hidden, "o_proj (heads x head_dim)": heads * head_dim if heads
+              and head_dim else None, "down_proj (intermediate_size)": config.get("intermediate_size"),
+              "experts' down_proj (moe_intermediate_size)": config.get("moe_intermediate_size")}
+    return {k: int(v) for k, v in widths.items() if v}
+
+
+def check_group_sizes(cfg, variants: list[str], widths: dict[str, int]) -> None:
+    """A group must divide each quantized layer's input width (SmolLM2's 576 is not a multiple of 128)."""
+    for name in variants:
+        block = cfg.quantize.variants.get(name)
+        if block is None:
+            continue  # the quantize stage names the missing variant itself
+        for layer, width in widths.items():
+            try:
+                resolve_group_size(block.fmt, block.group_size, width)
+            except ValueError as err:
+                raise RecipeError(f"quantize.variants.{name}: {err} ({layer} of {cfg.model.name}); choose a "
+                                  f"group_size dividing {sorted(set(widths.values()))}") from None
 
 
 def check_trainer(cfg, stage: str, scratch: Path) -> None:
