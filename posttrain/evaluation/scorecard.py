@@ -16,6 +16,7 @@ from posttrain.config_schema import ServeCfg
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.suites import build_suite
 from posttrain.models.likelihood import render_shift
+from posttrain.models.loading import load_tokenizer
 from posttrain.registry import checkpoint_label, is_generator
 from posttrain.serve.server import background_server
 
@@ -99,6 +100,28 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
     return row
 
 
+def check_context(suites, model_dir: Path, eval_cfg, serve_cfg) -> None:
+    """Before any checkpoint is served: every suite's longest prompt, rendered through the model's chat template,
+    plus the reply budget must fit the server's context (issue 8's SmolLM2 run failed on MATH-500 here, after an
+    hour of training, because serve.max_len was 512)."""
+    from transformers import AutoConfig  # eval loads transformers only once it has checkpoints to serve
+
+    tokenizer = load_tokenizer(model_dir)
+    context = min(serve_cfg.max_len, AutoConfig.from_pretrained(model_dir).max_position_embeddings)
+    for suite in suites:
+        longest = max(len(render_ids(tokenizer, row["messages"])) for row in suite.rows)
+        budget = eval_cfg.max_new_tokens or suite.max_new_tokens
+        if longest + budget > context:
+            raise ValueError(f"eval suite {suite.name}: its longest prompt is {longest} tokens and replies may take "
+                             f"{budget} (max_new_tokens), over the served context of {context} (serve.max_len="
+                             f"{serve_cfg.max_len}); raise serve.max_len or lower the suite's max_new_tokens")
+
+
+def render_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return ids["input_ids"] if hasattr(ids, "keys") else ids
+
+
 def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
     suites = []
     for name in eval_cfg.suites:
@@ -112,6 +135,9 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
             if name != "pku_saferlhf":
                 kwargs["temperature"] = eval_cfg.temperature
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
+    generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
+    if generators and serve_cfg.backend == "posttrain":
+        check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
     rows, shifts, quantization = [], {}, {}
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
