@@ -97,6 +97,9 @@ class PromptsCfg:
     path: str | None = None  # a local JSONL / JSON / Parquet file; null: hub_id (or the source's hub id)
     hub_id: str | None = None
     n: int | None = None  # prompts to train on; null = all
+    # gsm8k only: keep problems whose reference solution has at most this many <<...>> calculations (and at least
+    # one); null keeps every problem. 2 keeps the 1-2 step problems a small model sometimes gets right
+    max_calculations: int | None = None
 
 
 @dataclass

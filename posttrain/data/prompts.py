@@ -26,6 +26,15 @@ def prompt_rows(prompts_cfg) -> tuple[str, list[dict]]:
     return f"{hub_id}:train", list(load_dataset(hub_id, config, split=split))
 
 
+def calculations(solution: str) -> int:
+    """The <<expression=result>> annotations of a GSM8K reference solution: one per arithmetic step.
+
+    >>> calculations("She has 3+4=<<3+4=7>>7 apples, 7*2=<<7*2=14>>14 in all.\\n#### 14")
+    2
+    """
+    return solution.count("<<")
+
+
 def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
     """Rows with a conversational `prompt` and the `answer` column the verifiers read."""
     if prompts_cfg.source == "tiny_arith":
@@ -33,6 +42,9 @@ def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
         rows = [{"prompt": r["messages"][:1], "answer": r["answer"]} for r in rows]
         record = {"id": "tiny_world/arith (train split)", "card": "data_cards/tiny_world.md"}
     elif prompts_cfg.source in PROMPT_SOURCES:
+        limit = getattr(prompts_cfg, "max_calculations", None)
+        if limit is not None and prompts_cfg.source != "gsm8k":
+            raise ValueError(f"grpo.prompts.max_calculations filters GSM8K solutions; source is {prompts_cfg.source}")
         question, card = PROMPT_SOURCES[prompts_cfg.source]
         source, raw = prompt_rows(prompts_cfg)
         rows = []
@@ -41,8 +53,11 @@ def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
                 if not isinstance(r.get(name), str) or not r[name].strip():
                     raise DataError(f"{source}: row {i}: field '{name}' is missing or empty")
             rows.append({"prompt": [{"role": "user", "content": r[question]}], "answer": r["answer"]})
+        if limit is not None:
+            rows = [r for r in rows if 1 <= calculations(r["answer"]) <= limit]
         rows = rows[: prompts_cfg.n] if prompts_cfg.n else rows
-        record = {"id": source, "card": f"data_cards/{card}.md"}
+        record = {"id": source, "card": f"data_cards/{card}.md",
+                  **({"max_calculations": limit} if limit is not None else {})}
     else:
         raise ValueError(f"grpo.prompts.source '{prompts_cfg.source}' is not one of tiny_arith, "
                          f"{', '.join(PROMPT_SOURCES)}")

@@ -120,3 +120,18 @@ def test_scorecard_markdown_has_greedy_and_pass_at_1_columns():
     text = render_markdown({"run": "r", "suites": ["echo", "arith"], "rows": [row]})
     assert "| sft | 0.900 (100) | 0.500 (200) | 0.400 | 14.0 | 12.3 | 102 |" in text
     assert "medians over 8 streamed greedy requests of 32 tokens" in text
+
+
+def test_gsm8k_prompts_keep_the_problems_with_few_calculations(tmp_path):
+    from omegaconf import OmegaConf
+
+    rows = [{"question": "q0", "answer": "no steps\n#### 1"}, {"question": "q1", "answer": "<<1+1=2>>2\n#### 2"},
+            {"question": "q2", "answer": "<<1+1=2>>2 <<2*3=6>>6\n#### 6"},
+            {"question": "q3", "answer": "<<1+1=2>> <<2+1=3>> <<3+1=4>>\n#### 4"}]
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = OmegaConf.create({"source": "gsm8k", "path": str(path), "hub_id": None, "n": None, "max_calculations": 2})
+    kept, record = load_prompts(cfg, 0)
+    assert [r["prompt"][0]["content"] for r in kept] == ["q1", "q2"] and record["max_calculations"] == 2
+    with pytest.raises(ValueError, match="max_calculations filters GSM8K"):
+        load_prompts(OmegaConf.merge(cfg, {"source": "openr1_math"}), 0)
