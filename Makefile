@@ -21,7 +21,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo claims eval load test test-fast bench bench-sandbox venv clean
+.PHONY: demo claims eval load test test-fast bench bench-rollout bench-sandbox venv clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_decode.py --json runs/bench_decode.json
+
+# Seconds per GRPO step with roll-outs on the engine (grpo.rollout.backend=posttrain) vs TRL's generate, side by side:
+# the tiny model (from the newest runs/*/01-sft) and SmolLM2 with LoRA, about 10 minutes. Asserts nothing.
+bench-rollout: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/bench_rollout.py --threads 1 --json runs/bench_rollout.json
 
 # Code verifications per second through the sandbox (trivial, stdin/stdout, looping and hung solutions at 1 and 2
 # workers), about 90 seconds. Asserts nothing.

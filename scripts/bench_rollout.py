@@ -14,7 +14,7 @@ what the trainer's model would (tiny differences in the logits can flip a rare d
 
 Asserts nothing; prints a table (and JSON with --json). About 10 minutes on 2 cores.
 
-    .venv/bin/python scripts/bench_rollout.py [--steps 3] [--only smollm2] [--json runs/bench_rollout.json]
+    .venv/bin/python scripts/bench_rollout.py [--steps 2] [--threads 1] [--only smollm2] [--json runs/bench_rollout.json]
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ def run(model: str, backend: str, root: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=["tiny", "smollm2"])
     parser.add_argument("--tiny-parent")
-    parser.add_argument("--smollm2-tokens", type=int, default=192)
+    parser.add_argument("--smollm2-tokens", type=int, default=128)
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
