@@ -26,7 +26,7 @@ from posttrain.config import RecipeError
 from posttrain.evaluation.run import evaluate
 from posttrain.launch import launch_stage, launcher_config, launcher_for
 from posttrain.preflight import preflight
-from posttrain.runs import execute_stage, run_dir_of, stage_run
+from posttrain.runs import execute_stage, peak_memory_bytes, reset_peak_memory, run_dir_of, stage_run
 from posttrain.training import StageRun
 
 log = logging.getLogger("posttrain")
@@ -52,9 +52,13 @@ def _run_owned_stage(cfg, run: StageRun, run_dir: Path) -> Path:
     config_file = launcher_for(cfg, name)
     if config_file is not None:  # training stage, launcher not single: `accelerate launch` runs it
         launch_stage(cfg, run, run_dir, config_file)
+        log.info("%s: done in %.1f s", name, time.perf_counter() - started)
     else:
+        measured = reset_peak_memory()
         execute_stage(cfg, run, run_dir)
-    log.info("%s: done in %.1f s", name, time.perf_counter() - started)
+        peak = peak_memory_bytes() if measured else None
+        log.info("%s: done in %.1f s%s", name, time.perf_counter() - started,
+                 f", peak resident memory {peak / 2**30:.2f} GiB" if peak else "")
     return run.out_dir
 
 

@@ -59,3 +59,23 @@ def finish_tracking() -> None:
         wandb = sys.modules["wandb"]  # loaded by the stage's tracking; a run without it never imports it
         if wandb.run is not None:
             wandb.finish()
+
+
+def reset_peak_memory() -> bool:
+    """Restart the kernel's count of this process's peak resident memory (VmHWM), so a stage's own peak can be read
+    at its end. False where the kernel does not allow it (not Linux, or before 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_bytes() -> int | None:
+    """This process's peak resident memory since the last reset (or its start); None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
