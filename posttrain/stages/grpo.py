@@ -155,6 +155,17 @@ def scale_name(scale_rewards) -> str:
     return {True: "group", False: "none"}.get(scale_rewards, str(scale_rewards))
 
 
+SHARDED_ROLLOUT = ("grpo.rollout.backend=posttrain runs the engine on each process's whole model; ZeRO-3 and FSDP "
+                   "shard it. Use rollout.backend=trl (or vllm on GPUs) with those launchers")
+
+
+def engine_rollout(tokenizer) -> EngineRollout:
+    """The `posttrain` roll-out backend: TRL's rollout_func on the engine (built over the trainer's model at the
+    first generation batch)."""
+    warnings.filterwarnings("ignore", message="You are using 'rollout_func'")  # TRL marks it experimental
+    return EngineRollout(tokenizer)
+
+
 # --- the stage -----------------------------------------------------------------------------------------------------
 def main(cfg, run: StageRun) -> dict:
     import torch
@@ -168,8 +179,7 @@ def main(cfg, run: StageRun) -> dict:
         args.chat_template_kwargs = dict(cfg.grpo.chat_template_kwargs)
     args.log_completions = args.log_completions or "wandb" in (args.report_to or [])
     backend = cfg.grpo.rollout.backend
-    if backend == "vllm":
-        args.use_vllm = True
+    args.use_vllm = args.use_vllm or backend == "vllm"
 
     # --- model, prompts, rewards ---------------------------------------------------------------------------------
     location = model_location(cfg.model, run.parent)
@@ -206,15 +216,11 @@ def main(cfg, run: StageRun) -> dict:
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
-    rollout = None
-    if backend == "posttrain":
-        rollout = EngineRollout(tokenizer)
-        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")  # TRL marks it experimental
+    rollout = engine_rollout(tokenizer) if backend == "posttrain" else None
     trainer = GRPOTrainer(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
-        raise ValueError("grpo.rollout.backend=posttrain runs the engine on each process's whole model; ZeRO-3 and "
-                         "FSDP shard it. Use rollout.backend=trl (or vllm on GPUs) with those launchers")
+        raise ValueError(SHARDED_ROLLOUT)
     if resume:
         log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
