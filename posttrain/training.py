@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from posttrain import tracking
+from posttrain import sharding, tracking
 from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
 from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
 
@@ -86,6 +86,7 @@ def init_distributed(trainer_block: dict | None = None) -> None:
     if world_size() == 1:
         return
     quiet_other_ranks()
+    sharding.enable_fsdp_on_cpu()
     if is_distributed_ready():
         return
     from datetime import timedelta
@@ -245,19 +246,12 @@ def save_model(model, tokenizer, run: StageRun, state_dict: dict | None = None) 
 
 
 def full_state_dict(trainer, model) -> dict | None:
-    """Under FSDP or DeepSpeed ZeRO-3 each rank holds a shard of the weights: gather one full state dict (a
-    collective, so every rank calls it; rank 0 gets the weights). None when the weights are whole on every rank
-    (one process, DDP, ZeRO-1/2): the model saves its own."""
-    if trainer is None:
+    """Under FSDP or DeepSpeed ZeRO-3 each rank holds a shard of the trainer's weights: gather one full state dict
+    (a collective, so every rank calls it; rank 0 gets the weights). None when `model` is whole where it is saved
+    (one process, DDP, ZeRO-1/2, or LoRA adapters merged by sharding.merge_lora): the model saves its own."""
+    if model is None or trainer is None or model is not trainer.model or not sharding.is_sharded(trainer):
         return None
-    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-    if not (zero3 or trainer.is_fsdp_enabled):
-        return None
-    if model is not trainer.model:
-        raise RuntimeError(f"rank {rank()}: the model to save is not the trainer's (LoRA adapters merged?); saving "
-                           "a merged model is not supported under FSDP / ZeRO-3: use launcher ddp or zero2")
-    # DeepSpeed gathers through its engine (stage3_gather_16bit_weights_on_model_save); FSDP2 through the module
-    return trainer.accelerator.get_state_dict(trainer.model_wrapped if zero3 else trainer.model)
+    return sharding.gather_state_dict(trainer)
 
 
 def drop_checkpoints(run: StageRun) -> None:
@@ -297,24 +291,27 @@ def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: di
 
     Only rank 0 writes, after every rank has finished training (a rank that died never gets here, so neither
     does the manifest); every rank leaves together, so the next stage never reads a half-written artifact.
-    `trainer` lets a sharded model (FSDP, ZeRO-3) be gathered before rank 0 saves it.
+    `trainer` lets a sharded model (FSDP, ZeRO-3) be gathered before rank 0 saves it; after a sharded LoRA merge
+    the merged model exists on rank 0 only and the other ranks pass None.
     """
-    device = str(next(model.parameters()).device)  # where the weights were trained (cpu, cuda:0, ...)
     state_dict = full_state_dict(trainer, model)
-    write_weight_digest(model, run)
+    if model is not None and (state_dict or not sharding.is_sharded(trainer) or model is not trainer.model):
+        write_weight_digest(model, run, state_dict)  # sharded: rank 0, from the gathered weights
     barrier()
     if is_main_process():
+        device = str(next(model.parameters()).device)  # where the weights were trained (cpu, cuda:0, ...)
         save_model(model, tokenizer, run, state_dict)
         drop_checkpoints(run)
         write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config,
                        config_hash=run.config_hash, datasets=datasets, metrics=metrics, started_at=run.started_at,
-                       extra={"device": device, "processes": world_size(), **extra})
+                       extra={"device": device, "processes": world_size(), "strategy": sharding.strategy(trainer),
+                              **extra})
     barrier()
     return metrics
 
 
 # --- test hooks ------------------------------------------------------------------------------------------------------
-def write_weight_digest(model, run: StageRun) -> None:
+def write_weight_digest(model, run: StageRun, state_dict: dict | None = None) -> None:
     """Test hook: with `debug.weight_digest_dir` set, every rank writes the sha256 of its final weights (names,
     shapes and bytes in name order) to <dir>/<stage>.rank<r>.sha256, so a test can see that the ranks agree."""
     target = run.debug.get("weight_digest_dir")
@@ -323,7 +320,7 @@ def write_weight_digest(model, run: StageRun) -> None:
     import torch
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted((state_dict or model.state_dict()).items()):
         data = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
         digest.update(data.view(-1).view(torch.uint8).numpy().tobytes())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from posttrain import training
+from posttrain import sharding, training
 from posttrain.artifacts import sha256_json
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
@@ -63,7 +63,8 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- the reference's log-probabilities on held-out pairs, before any update ---------------------------------
     batch = args.per_device_eval_batch_size or 32
-    reference = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: reference log-probs")
+    with sharding.whole_weights(model):  # ZeRO-3 partitioned the weights at load
+        reference = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: reference log-probs")
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
@@ -75,11 +76,12 @@ def main(cfg, run: StageRun) -> dict:
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
-    if peft_config is not None:
-        training.save_adapter(model, run)  # rank 0 writes, every rank may read
-        model = model.merge_and_unload()
+    if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
+        model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter")
 
     # --- how the held-out likelihoods moved, then save -----------------------------------------------------------
+    if model is None:  # a rank other than 0 after a sharded LoRA merge: rank 0 measures and saves
+        return training.finish(run, None, tokenizer, trainer=trainer, datasets=[], metrics={}, extra={})
     policy = reply_logprobs(model, tokenizer, held_out, batch, desc="dpo: policy log-probs")
     shift = likelihood_shift(reference, policy, args.beta, held_out)
     log.info("dpo: %s", render_shift(shift))

@@ -21,7 +21,7 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from posttrain import training
+from posttrain import sharding, training
 from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
 from posttrain.models.loading import load_model, load_tokenizer, model_location
@@ -140,7 +140,8 @@ def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
             if path is None:
                 raise ValueError("grpo.rewards names reward_model, but there is no reward_model stage in this "
                                  "pipeline and grpo.reward_model (an artifact or model path) is empty")
-            funcs[name] = (RewardModelScorer(path), float(weight))
+            with sharding.loading_whole():  # each rank scores its own completions with a whole, frozen copy
+                funcs[name] = (RewardModelScorer(path), float(weight))
         elif name in REWARDS:
             funcs[name] = (REWARDS[name], float(weight))
         else:
@@ -234,8 +235,8 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- save ----------------------------------------------------------------------------------------------------
     model = trainer.model
-    if peft_config is not None:
-        model = model.merge_and_unload()
+    if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
+        model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model))
     curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), **moe.metrics(),

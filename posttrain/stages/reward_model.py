@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from posttrain import training
+from posttrain import sharding, training
 from posttrain.artifacts import sha256_json
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
@@ -45,10 +45,20 @@ def pairwise_accuracy(scorer, pairs: list[dict]) -> dict:
     }
 
 
+def load_scoring_model(location, model_cfg, tokenizer):
+    """The parent's weights under a one-output sequence-classification head."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        location, num_labels=1, dtype=torch_dtype(model_cfg.dtype), trust_remote_code=model_cfg.trust_remote_code
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+    return model
+
+
 def main(cfg, run: StageRun) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForSequenceClassification
     from trl import RewardTrainer
 
     # --- config ------------------------------------------------------------------------------------------------
@@ -63,10 +73,7 @@ def main(cfg, run: StageRun) -> dict:
                                seq_len=args.max_length, micro_batch=args.per_device_train_batch_size,
                                lora_rank=cfg.reward_model.lora.get("r") if cfg.reward_model.lora is not None else None)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        location, num_labels=1, dtype=torch_dtype(cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code
-    )
-    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+    model = load_scoring_model(location, cfg.model, tokenizer)
     peft_config = None
     if cfg.reward_model.lora is not None:
         from omegaconf import OmegaConf
@@ -86,7 +93,8 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     batch = args.per_device_eval_batch_size or 16
-    before = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
+    with sharding.whole_weights(model):  # ZeRO-3 partitioned the weights at load
+        before = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
     # MoE models: expert shares per logging step (the sequence-classification loss has no load-balancing
     # term: transformers adds it in the causal-LM classes only)
     moe = MoeRouterCallback()
@@ -98,10 +106,12 @@ def main(cfg, run: StageRun) -> dict:
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
-    if peft_config is not None:
-        model = model.merge_and_unload()
+    if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
+        model = sharding.merge_lora(trainer, lambda: load_scoring_model(location, cfg.model, tokenizer))
 
     # --- held-out pairwise accuracy, then save -------------------------------------------------------------------
+    if model is None:  # a rank other than 0 after a sharded LoRA merge: rank 0 measures and saves
+        return training.finish(run, None, tokenizer, trainer=trainer, datasets=[], metrics={}, extra={})
     held = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
     log.info("reward_model: held-out pairwise accuracy %.3f on %d pairs %s", held["pairwise_accuracy"],
              held["held_out_pairs"], held["pairwise_accuracy_by_family"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from posttrain import training
+from posttrain import sharding, training
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.data.startup import sft_jobs, startup_check
 from posttrain.models.loading import load_model, load_tokenizer, model_location
@@ -74,16 +74,15 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- save: LoRA adapters are merged, so the artifact is a plain model directory ----------------------------
     model = trainer.model
-    if peft_config is not None:
-        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
-        if not lora_b or all(torch.count_nonzero(p) == 0 for p in lora_b):
-            raise RuntimeError("sft: LoRA B matrices are still zero after training: the adapters got no gradient")
-        training.save_adapter(model, run)  # rank 0 writes, every rank may read
-        if cfg.sft.qlora:  # merge into full-precision weights, not into the 4-bit ones
-            from peft import PeftModel
+    if cfg.sft.qlora:  # merge into full-precision weights, not into the 4-bit ones
+        from peft import PeftModel
 
-            model = PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter")
-        model = model.merge_and_unload()
+        require_trained_adapters(model)
+        training.save_adapter(model, run)  # rank 0 writes, every rank may read
+        model = PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter").merge_and_unload()
+    elif peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
+        model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter",
+                                    check=require_trained_adapters)
     metrics = {
         **training.train_metrics(trainer),
         **moe.metrics(),
@@ -94,3 +93,11 @@ def main(cfg, run: StageRun) -> dict:
     }
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location)})
+
+
+def require_trained_adapters(model) -> None:
+    import torch
+
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    if not lora_b or all(torch.count_nonzero(p) == 0 for p in lora_b):
+        raise RuntimeError("sft: LoRA B matrices are still zero after training: the adapters got no gradient")
