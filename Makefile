@@ -21,7 +21,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo claims eval load test test-fast bench bench-rollout bench-sandbox venv clean
+.PHONY: demo claims eval load test test-fast test-launchers bench bench-rollout bench-sandbox venv clean
 
 venv: $(STAMP)
 
@@ -78,6 +78,12 @@ bench-rollout: $(STAMP)
 bench-sandbox: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_sandbox.py --json runs/bench_sandbox.json
+
+# Every training stage under every sharded launcher (fsdp2, zero2, zero3, zero3_offload) on two CPU processes, each
+# compared with one process, plus LoRA merges, sharded resume and a two-machine launch; prints each cell's seconds
+# and largest loss difference. `make test` runs CI's subset of the same file.
+test-launchers: $(STAMP)
+	POSTTRAIN_LAUNCHER_MATRIX=full $(PY) -m pytest -q -s -ra tests/integration/test_sharded_launchers.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra tests/unit

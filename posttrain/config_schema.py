@@ -214,9 +214,14 @@ class PipelineCfg:
     evaluate: bool = True
     # How each training stage runs: single (in this process) | a name in recipes/accelerate/ (ddp, fsdp2, zero2,
     # zero3, ...) | a path to an accelerate YAML. Not single: `accelerate launch --config_file <it> <launcher_args>`
-    # runs the stage (posttrain.launch); $POSTTRAIN_LAUNCHER_ARGS adds arguments (tests: --num_processes 2).
+    # runs the stage (posttrain.launch); launcher_args go before the module
+    # (on CPU processes: [--num_processes,2,--mixed_precision,no]).
     launcher: str = "single"
     launcher_args: list[str] = field(default_factory=list)
+    # The machine the recipe is written for (GPUs per run, GB each): preflight prints the capacity planner's GB per
+    # GPU for each training stage under every strategy and fails when the launcher's does not fit. None: no check.
+    gpus: int | None = None
+    gpu_mem_gb: float | None = None
 
 
 @dataclass

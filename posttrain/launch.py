@@ -30,9 +30,10 @@ from pathlib import Path
 from posttrain import registry
 from posttrain.artifacts import ArtifactError, read_manifest
 from posttrain.chat.render import MaskError
-from posttrain.config import RECIPES_DIR, RecipeError, compose
+from posttrain.config import RecipeError, compose
 from posttrain.data.dolly import DataError
 from posttrain.runs import execute_stage, stage_run
+from posttrain.sharding import launcher_config
 from posttrain.training import world_size
 
 log = logging.getLogger("posttrain")
@@ -49,20 +50,6 @@ class StageLaunchError(ArtifactError):
 
 
 # --- which config, which arguments ----------------------------------------------------------------------------------
-def launcher_config(launcher: str) -> Path | None:
-    """The accelerate YAML `pipeline.launcher` names (recipes/accelerate/<name>.yaml or a path); None for single."""
-    if launcher == "single":
-        return None
-    folder = RECIPES_DIR / "accelerate"
-    named = not launcher.endswith((".yaml", ".yml")) and "/" not in launcher
-    path = folder / f"{launcher}.yaml" if named else Path(launcher)
-    if not path.is_file():
-        names = sorted(p.stem for p in folder.glob("*.yaml"))
-        raise RecipeError(f"pipeline.launcher '{launcher}': no accelerate config at {path}; give a name in {folder} "
-                          f"({', '.join(names)}) or the path of an accelerate YAML")
-    return path
-
-
 def launcher_for(cfg, stage: str) -> Path | None:
     """The config stage `stage` is launched with, or None to run it in this process: quantize and eval, the single
     launcher, and any process that is already one of several (a launched child, torchrun) run in-process."""

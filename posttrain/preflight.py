@@ -1,7 +1,8 @@
 """What `posttrain run` and `posttrain stage=...` check before the first stage starts, so that a setting that would
 fail in the third stage fails now, in one line: the model can be loaded (a local directory, or a hub id in the
 cache when offline), every training stage's trainer block builds its TRL config object, every GRPO reward
-name exists, and every quantize variant's group size divides the widths of the layers it will quantize.
+name exists, nothing asks for what the launcher's strategy cannot do (QLoRA or engine roll-outs on sharded
+weights), and every quantize variant's group size divides the widths of the layers it will quantize.
 `posttrain run --dry-run` runs these checks and stops.
 
 Recipe keys and value types are checked earlier still, when the recipe is composed (posttrain.config).
@@ -13,11 +14,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from posttrain import training
+from posttrain import sharding, training
 from posttrain.config import RecipeError
 from posttrain.config_schema import TRAINER_CLASSES
 from posttrain.models.loading import cache_dir, check_model_reachable
 from posttrain.planner.config import PlannerError, load_config
+from posttrain.planner.stages import render_stage_plans, stage_plans
 from posttrain.quant.formats import resolve_group_size
 from posttrain.registry import parse
 from rewards import REWARDS
@@ -40,6 +42,10 @@ def preflight(cfg, stages: list[str]) -> list[str]:
     if "grpo" in stages:
         check_rewards(cfg)
         checked.append(f"grpo.rewards ({', '.join(cfg.grpo.rewards)})")
+    if cfg.pipeline.launcher != "single":
+        checked.append(f"launcher {cfg.pipeline.launcher} ({check_launcher(cfg, stages)})")
+    if cfg.pipeline.gpus and cfg.pipeline.gpu_mem_gb:
+        checked.append(check_capacity(cfg))
     variants = [v for stage, v in map(parse, stages) if stage.name == "quantize" and v]
     if variants and (widths := layer_widths(cfg)):
         check_group_sizes(cfg, variants, widths)
@@ -98,6 +104,41 @@ def check_trainer(cfg, stage: str, scratch: Path) -> None:
             training.trl_args(TRAINER_CLASSES[stage], cfg[stage].trainer, run, cfg.tracking, cfg.seed)
     except (ValueError, TypeError) as err:
         raise RecipeError(f"{stage}.trainer: {TRAINER_CLASSES[stage]} refuses these settings: {err}") from None
+
+
+def check_launcher(cfg, stages: list[str]) -> str:
+    """Settings that cannot run under the launcher's strategy fail now, not when that stage starts; returns it."""
+    strategy = sharding.requested_strategy(cfg.pipeline.launcher)
+    names = {parse(name)[0].name for name in stages}
+    if "sft" in names and cfg.sft.qlora and strategy in sharding.SHARDED:
+        raise RecipeError(f"sft.qlora=true under pipeline.launcher={cfg.pipeline.launcher} ({strategy}): the 4-bit "
+                          f"base (bitsandbytes) cannot be sharded by FSDP or ZeRO-3 here; use launcher ddp or "
+                          f"zero2, or LoRA on the full-precision base (sft.qlora=false)")
+    if "grpo" in names and cfg.grpo.rollout.backend == "posttrain" and strategy.startswith(("zero", "fsdp")):
+        raise RecipeError(f"grpo.rollout.backend=posttrain under pipeline.launcher={cfg.pipeline.launcher} "
+                          f"({strategy}): the engine runs each process's own whole model, which DeepSpeed and "
+                          f"FSDP take over; use rollout.backend=trl (or vllm on GPUs), or launcher ddp")
+    return strategy
+
+
+def check_capacity(cfg) -> str:
+    """The planner's GB per GPU for each training stage on the recipe's machine (pipeline.gpus x gpu_mem_gb) under
+    every strategy; a stage that does not fit under the launcher's strategy fails the run. A model config the
+    planner cannot read (offline, not cached) skips the check, saying so."""
+    source = Path(cfg.parent) / "model" if cfg.parent else cfg.model.name_or_path
+    launcher = cfg.pipeline.launcher
+    try:
+        plans = stage_plans(cfg, load_config(source), sharding.requested_strategy(launcher), cfg.pipeline.gpus,
+                            cfg.pipeline.gpu_mem_gb)
+    except (PlannerError, OSError) as err:
+        return (f"capacity on {cfg.pipeline.gpus} x {cfg.pipeline.gpu_mem_gb:g} GB: skipped, no config for {source} "
+                f"({err})")
+    shown = render_stage_plans(plans, launcher)
+    if not all(p.fits for p in plans):
+        raise RecipeError(f"pipeline.launcher={launcher}: by the capacity planner, a stage does not fit on "
+                          f"{cfg.pipeline.gpus} x {cfg.pipeline.gpu_mem_gb:g} GB (GB per GPU; * the launcher's):\n"
+                          f"{shown}")
+    return f"capacity on {cfg.pipeline.gpus} x {cfg.pipeline.gpu_mem_gb:g} GB (GB per GPU; * the launcher's):\n{shown}"
 
 
 def check_rewards(cfg) -> None:

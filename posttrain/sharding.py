@@ -8,12 +8,66 @@ accelerator really did (`strategy`), and tests compare that with what the launch
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
+from pathlib import Path
+
+from posttrain.config import RECIPES_DIR, RecipeError
 
 log = logging.getLogger("posttrain")
 
 
+SHARDED = ("fsdp1", "fsdp2", "zero3", "zero3_offload")  # each rank holds a shard of the weights
+
+
+# --- what a launcher asks for ----------------------------------------------------------------------------------------
+def launcher_config(launcher: str) -> Path | None:
+    """The accelerate YAML `pipeline.launcher` names (recipes/accelerate/<name>.yaml or a path); None for single."""
+    if launcher == "single":
+        return None
+    folder = RECIPES_DIR / "accelerate"
+    named = not launcher.endswith((".yaml", ".yml")) and "/" not in launcher
+    path = folder / f"{launcher}.yaml" if named else Path(launcher)
+    if not path.is_file():
+        names = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise RecipeError(f"pipeline.launcher '{launcher}': no accelerate config at {path}; give a name in {folder} "
+                          f"({', '.join(names)}) or the path of an accelerate YAML")
+    return path
+
+
+def requested_strategy(launcher: str) -> str:
+    """What `pipeline.launcher`'s accelerate YAML asks for, by the names `strategy` records: single, ddp, fsdp1,
+    fsdp2, zero1, zero2, zero3 or zero3_offload (the ZeRO stage and offload read from its DeepSpeed JSON)."""
+    import yaml
+
+    path = launcher_config(launcher)
+    if path is None:
+        return "single"
+    config = yaml.safe_load(path.read_text()) or {}
+    kind = str(config.get("distributed_type", "NO"))
+    if kind == "FSDP":
+        return f"fsdp{(config.get('fsdp_config') or {}).get('fsdp_version', 1)}"
+    if kind != "DEEPSPEED":
+        return "single" if kind == "NO" else "ddp"
+    deepspeed = config.get("deepspeed_config") or {}
+    if deepspeed.get("deepspeed_config_file"):
+        json_path = Path(deepspeed["deepspeed_config_file"])
+        json_path = json_path if json_path.is_absolute() else RECIPES_DIR.parent / json_path
+        try:
+            zero = json.loads(json_path.read_text()).get("zero_optimization", {})
+        except (OSError, json.JSONDecodeError) as err:
+            raise RecipeError(f"{path}: cannot read its DeepSpeed config {json_path}: {err}") from None
+        stage = zero.get("stage", 0)
+        offloaded = any((zero.get(f"offload_{part}") or {}).get("device", "none") != "none"
+                        for part in ("optimizer", "param"))
+    else:
+        stage = deepspeed.get("zero_stage", 0)
+        offloaded = any(deepspeed.get(f"offload_{part}_device", "none") != "none" for part in ("optimizer", "param"))
+    return f"zero{stage}" + ("_offload" if offloaded else "")
+
+
+# --- what ran --------------------------------------------------------------------------------------------------------
 def strategy(trainer) -> dict:
     """How the trainer distributed this run, read from its accelerator after training: the planner's name for it
     ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp2"), accelerate's distributed type and the details."""

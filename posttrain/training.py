@@ -241,6 +241,10 @@ def train_metrics(trainer) -> dict:
 def save_model(model, tokenizer, run: StageRun, state_dict: dict | None = None) -> None:
     """Write model/ (safetensors, config, tokenizer with its chat template) for the artifact; `state_dict`: the
     gathered weights of a sharded model (see full_state_dict)."""
+    if state_dict is not None:  # gathered copies no longer share storage: drop tied duplicates as save would
+        for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+            if source in state_dict and target in state_dict:
+                del state_dict[target]
     model.save_pretrained(run.model_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(run.model_dir)
 

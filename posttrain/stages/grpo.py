@@ -156,8 +156,8 @@ def scale_name(scale_rewards) -> str:
     return {True: "group", False: "none"}.get(scale_rewards, str(scale_rewards))
 
 
-SHARDED_ROLLOUT = ("grpo.rollout.backend=posttrain runs the engine on each process's whole model; ZeRO-3 and FSDP "
-                   "shard it. Use rollout.backend=trl (or vllm on GPUs) with those launchers")
+SHARDED_ROLLOUT = ("grpo.rollout.backend=posttrain runs the engine on each process's own whole model, which DeepSpeed "
+                   "and FSDP take over. Use rollout.backend=trl (or vllm on GPUs) with those launchers, or ddp")
 
 
 def engine_rollout(tokenizer) -> EngineRollout:

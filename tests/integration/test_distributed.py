@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -42,45 +39,11 @@ from pathlib import Path
 import pytest
 
 from posttrain.artifacts import verify_artifact
-from tests.helpers import REPO, cli_env, posttrain
+from tests.helpers import REPO, posttrain
+from tests.integration.launching import (B, DIRS, LOSS_RTOL, STAGES, STEPS, WEIGHT_RTOL, free_port, losses,
+                                         pipeline_args, torchrun, weight_distance, weights)
 
 pytestmark = pytest.mark.slow
-B = 4  # rows (GRPO: completions x 2) per process and step; the one-process reference takes twice as many
-STEPS = 4
-STAGES = ("sft", "reward_model", "dpo", "grpo")
-DIRS = {stage: f"{i:02d}-{stage}" for i, stage in enumerate(STAGES)}
-LOSS_RTOL = 1e-5
-WEIGHT_RTOL = 1e-3  # |w_two - w_one| / |w_one - w_parent|
-
-
-def pipeline_args(root: Path, name: str, base: Path, per_device: int, stages=STAGES) -> list[str]:
-    """The training stages on `base`, STEPS steps each, a loss logged every step."""
-    args = ["run", "pipeline=tiny-ci", f"pipeline.stages=[{','.join(stages)}]", "pipeline.evaluate=false",
-            f"parent={base}", f"run.root={root}", f"run.name={name}"]
-    for stage in stages:
-        batch = 2 * per_device if stage == "grpo" else per_device  # GRPO: 4 generations of 2 prompts per process
-        # ddp_timeout: a peer that died fails the stage within a minute rather than transformers' 30
-        args += [f"{stage}.trainer.max_steps={STEPS}", f"{stage}.trainer.logging_steps=1",
-                 f"{stage}.trainer.ddp_timeout=60", f"{stage}.trainer.per_device_train_batch_size={batch}",
-                 f"{stage}.trainer.save_steps=100"]
-    if "dpo" in stages:  # plain sigmoid loss (module docstring); the reference pass covers 64 pairs, not 200
-        args += ["dpo.trainer.loss_type=[sigmoid]", "dpo.trainer.loss_weights=[1.0]", "dpo.pairs.n_train=64",
-                 "dpo.pairs.n_eval=16"]
-    if "reward_model" in stages:
-        args += ["reward_model.pairs.n_eval=16"]
-    return args
-
-
-def torchrun(*args: str, timeout: float, **env) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node 2 -m posttrain ARGS` (standalone: a free rendezvous port)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "posttrain", *args]
-    return subprocess.run(command, cwd=REPO, env=cli_env(**env), capture_output=True, text=True, timeout=timeout)
-
-
-def losses(stage_dir: Path) -> list[float]:
-    manifest = json.loads((stage_dir / "manifest.json").read_text())
-    return [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]
 
 
 def digests(folder: Path, stage: str) -> dict[int, str]:
@@ -88,26 +51,16 @@ def digests(folder: Path, stage: str) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("base")
-    result = posttrain("stage=pretrain", "pipeline=tiny-ci", "pretrain.trainer.max_steps=4", "data.pretrain_rows=200",
-                       f"run.root={root}", "run.name=b", timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / "b" / "00-pretrain"
-
-
-@pytest.fixture(scope="module")
-def runs(base, tmp_path_factory) -> dict[str, Path]:
-    """The same four stages in one process (batch 2B) and in two (B each); each rank's weight digest per stage."""
+def runs(one_process, tmp_path_factory) -> dict[str, Path]:
+    """The same four stages in one process (batch 2B, shared with the launcher tests) and in two (B each); each
+    rank's weight digest per stage."""
     root = tmp_path_factory.mktemp("runs")
-    one = posttrain(*pipeline_args(root, "one", base, 2 * B), f"debug.weight_digest_dir={root / 'digest-one'}",
-                    timeout=600, OMP_NUM_THREADS="1")
-    assert one.returncode == 0, one.stderr[-3000:]
+    base = one_process["base"]
     two = torchrun(*pipeline_args(root, "two", base, B), f"debug.weight_digest_dir={root / 'digest-two'}",
                    timeout=600)
     assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
-    return {"one": root / "one", "two": root / "two", "digest-two": root / "digest-two", "log-two": two.stderr,
-            "base": base}
+    return {"one": one_process["run"], "two": root / "two", "digest-two": root / "digest-two",
+            "log-two": two.stderr, "base": base}
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -125,20 +78,14 @@ def test_stage_finishes_once_with_the_same_weights_on_both_ranks(runs, stage):
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo"])
 def test_loss_trajectory_and_weights_match_one_process_with_the_same_global_batch(runs, stage):
-    from safetensors.torch import load_file
-
     one, two = losses(runs["one"] / DIRS[stage]), losses(runs["two"] / DIRS[stage])
     assert len(one) == len(two) == STEPS
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= LOSS_RTOL * abs(a), f"{stage} step {step}: one process {a}, two processes {b}"
-    def weights(stage_dir: Path) -> dict:
-        return load_file(stage_dir / "model" / "model.safetensors")
-
     w_one, w_two = weights(runs["one"] / DIRS[stage]), weights(runs["two"] / DIRS[stage])
     parent = weights(runs["base"] if stage == "sft" else runs["one"] / DIRS["sft"])
     assert w_one.keys() == w_two.keys()
-    apart = sum(((w_one[k] - w_two[k]).double() ** 2).sum().item() for k in w_one) ** 0.5
-    moved = sum(((w_one[k] - parent[k]).double() ** 2).sum().item() for k in w_one if k in parent) ** 0.5
+    apart, moved = weight_distance(w_one, w_two), weight_distance(w_one, parent)
     assert apart <= WEIGHT_RTOL * moved, f"{stage}: the runs' weights are {apart:.3g} apart; training moved {moved:.3g}"
 
 
@@ -158,13 +105,7 @@ def test_grpo_table_holds_the_global_batch_of_both_ranks(runs):
         assert abs(mean - curve[step]["reward"]) < 1e-6, (step, mean, curve[step])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_posttrain_run_launches_each_stage_under_accelerate_and_a_crashed_rank_fails_it(base, runs, tmp_path):
+def test_posttrain_run_launches_each_stage_under_accelerate_and_a_crashed_rank_fails_it(runs, tmp_path):
     """pipeline.launcher=ddp: for each training stage the parent writes launch.json and runs `accelerate launch`
     (2 CPU processes, torchrun underneath). SFT: the child composes the same config (the same hash as the torchrun
     run's SFT, whose overrides it shares) and trains the same steps. The reward model: rank 1 raises at step 2
@@ -172,7 +113,7 @@ def test_posttrain_run_launches_each_stage_under_accelerate_and_a_crashed_rank_f
     with no manifest, and the parent stops with exit code 2 naming the stage, the command, the child's log and
     rank 1's error."""
     port = free_port()
-    result = posttrain(*pipeline_args(tmp_path, "l", base, B, stages=["sft", "reward_model"]), "pipeline.launcher=ddp",
+    result = posttrain(*pipeline_args(tmp_path, "l", runs["base"], B, stages=["sft", "reward_model"]), "pipeline.launcher=ddp",
                        f"pipeline.launcher_args=[--num_processes,2,--mixed_precision,no,--main_process_port,{port}]",
                        "debug.fault.rank=1", "debug.fault.step=2", "debug.fault.stage=reward_model", timeout=300)
     assert result.returncode == 2, result.stderr[-4000:]

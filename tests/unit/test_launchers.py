@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from posttrain import launch, registry, runs
+from posttrain import launch, registry, runs, sharding
 from posttrain.config import RECIPES_DIR, RecipeError, compose
 
 ACCELERATE = RECIPES_DIR / "accelerate"
@@ -117,6 +117,20 @@ def test_launcher_names_paths_and_unknown_names():
     assert launch.launcher_config(str(ACCELERATE / "ddp.yaml")) == ACCELERATE / "ddp.yaml"
     with pytest.raises(RecipeError, match=r"pipeline.launcher 'zero4': no accelerate config .* fsdp2, .*zero3"):
         launch.launcher_config("zero4")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_each_config_names_the_strategy_its_manifest_will_record(path, tmp_path):
+    """sharding.requested_strategy: what the config asks for, in the names a stage's manifest records (`strategy`)
+    and preflight checks against; the ZeRO stage and offload come from the DeepSpeed JSON."""
+    _, _, zero, offload = EXPECTED[path.stem]
+    kind = EXPECTED[path.stem][0]
+    want = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp2"}.get(kind) or f"zero{zero}" + ("_offload" if offload else "")
+    assert sharding.requested_strategy(path.stem) == want
+    broken = tmp_path / "broken.yaml"  # a DeepSpeed config file that is not there: named in the error
+    broken.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {deepspeed_config_file: /nonexistent.json}\n")
+    with pytest.raises(RecipeError, match=r"broken.yaml: cannot read its DeepSpeed config /nonexistent.json"):
+        sharding.requested_strategy(str(broken))
 
 
 def test_only_training_stages_of_a_parent_process_are_launched(monkeypatch):

@@ -52,3 +52,31 @@ def test_a_quantize_group_that_does_not_divide_a_layer_fails_before_the_first_st
     cfg = compose(["pipeline=tiny", "model=hf", f"model.name_or_path={tmp_path}"])
     with pytest.raises(RecipeError, match="in_features 576"):
         preflight(cfg, ["quantize:int4-rtn"])
+
+
+def test_what_the_launcher_cannot_do_fails_before_the_first_stage():
+    """QLoRA on sharded weights, and engine roll-outs under DeepSpeed or FSDP, stop at preflight naming both."""
+    cfg = compose(["pipeline=tiny", "pipeline.launcher=fsdp2", "sft=lora", "sft.qlora=true"])
+    with pytest.raises(RecipeError, match=r"sft.qlora=true under pipeline.launcher=fsdp2 \(fsdp2\)"):
+        preflight(cfg, ["sft"])
+    assert any(line == "launcher fsdp2 (fsdp2)" for line in preflight(cfg.copy(), ["pretrain"]))
+    cfg = compose(["pipeline=tiny", "pipeline.launcher=zero2", "grpo.rollout.backend=posttrain"])
+    with pytest.raises(RecipeError, match=r"grpo.rollout.backend=posttrain under pipeline.launcher=zero2 \(zero2\)"):
+        preflight(cfg, ["grpo"])
+    preflight(compose(["pipeline=tiny", "pipeline.launcher=ddp", "grpo.rollout.backend=posttrain"]), ["grpo"])
+
+
+def test_a_launcher_that_does_not_fit_the_recipes_machine_fails_before_the_first_stage():
+    """pipeline=qwen3-8b is sized for 8 x 80 GB under zero3; under ddp its full fine-tuning needs ~137 GB per GPU.
+    The planner reads the model's config.json (here the fixture written from the model card). The capacity check
+    alone: the recipe's GPU trainer blocks do not build on this CPU machine."""
+    from posttrain.preflight import check_capacity
+    from tests.conftest import REPO
+
+    config = REPO / "tests" / "fixtures" / "qwen3-8b.config.json"
+    cfg = compose(["pipeline=qwen3-8b", f"model.name_or_path={config}", "pipeline.launcher=ddp"])
+    with pytest.raises(RecipeError, match=r"(?s)launcher=ddp: by the capacity planner, a stage does not fit on "
+                                          r"8 x 80 GB.*sft .*DDP: DOES NOT FIT"):
+        check_capacity(cfg)
+    shown = check_capacity(compose(["pipeline=qwen3-8b", f"model.name_or_path={config}"]))
+    assert "capacity on 8 x 80 GB" in shown and "ZeRO-3: fits" in shown and "DOES NOT FIT" not in shown
