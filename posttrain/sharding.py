@@ -1,9 +1,10 @@
-"""What sharding changes for a training stage: which strategy actually ran, and saving a model whose weights are
-spread over the processes (FSDP2, DeepSpeed ZeRO-3), LoRA adapters included.
+"""What sharding changes for a training stage: the strategy a launcher asks for and the one that ran, FSDP on CPU
+processes, saving a model whose weights are spread over the processes (FSDP2, DeepSpeed ZeRO-3) with its LoRA
+adapters merged, and running models outside the trainer under ZeRO-3.
 
-The launcher config asks for a strategy; accelerate decides what runs. On CPU processes it silently falls back to
-plain data parallel for FSDP (its CPU branch never turns FSDP on), so the manifest records what the trainer's
-accelerator really did (`strategy`), and tests compare that with what the launcher asked for.
+The launcher config asks for a strategy (`requested_strategy`); accelerate decides what runs. On CPU processes it
+silently fell back to plain data parallel for FSDP (`enable_fsdp_on_cpu` now stops that), so every manifest
+records what the trainer's accelerator really did (`strategy`), and tests compare the two.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def requested_strategy(launcher: str) -> str:
 
 # --- what ran --------------------------------------------------------------------------------------------------------
 def strategy(trainer) -> dict:
-    """How the trainer distributed this run, read from its accelerator after training: the planner's name for it
-    ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp2"), accelerate's distributed type and the details."""
+    """How the trainer distributed this run, read from its accelerator after training: a name in the launchers'
+    terms ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp2"), accelerate's distributed type and the
+    details (ZeRO stage and offload devices, FSDP version)."""
     if trainer is None:
         return {"name": "single", "distributed_type": "NO", "processes": 1}
     state = trainer.accelerator.state
