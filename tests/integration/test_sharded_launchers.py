@@ -16,8 +16,9 @@ process samples its own completions): the same prompts in the same order, and th
 Measured here (torch 2.13 CPU, fp32, 2 cores, `make test-launchers` on the commit that added this file; the table
 is printed at the end of the run): the losses differed from one process by at most 5.5e-6 (relative; DPO under
 zero3_offload), SFT by at most 5.3e-7; each cell's stage took 14-25 s, the whole file 8 min 53 s.
-CI runs SFT under each of fsdp2, zero2 and zero3, LoRA SFT under fsdp2 and zero3, the sharded resume and the
-two-machine launch; the full matrix adds the reward model, DPO and GRPO and zero3_offload.
+CI runs full-FT SFT under fsdp2 and zero2, LoRA SFT under fsdp2 and zero3, the fsdp2 resume and the two-machine
+launch (SFT under ZeRO-3); the full matrix adds every other cell, zero3_offload, LoRA's loss comparison and the
+zero3 resume.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from tests.integration.launching import (B, DIRS, LORA, LOSS_RTOL, STAGES, STEPS
 pytestmark = pytest.mark.slow
 LAUNCHERS = ("fsdp2", "zero2", "zero3", "zero3_offload")
 FULL = os.environ.get("POSTTRAIN_LAUNCHER_MATRIX") == "full"
-STAGES_RUN = {launcher: STAGES for launcher in LAUNCHERS} if FULL else {"fsdp2": ("sft",), "zero2": ("sft",),
-                                                                          "zero3": ("sft",)}
+# CI: full-FT SFT under fsdp2 and zero2 here; zero3 trains SFT in the LoRA and two-machine tests below
+STAGES_RUN = {launcher: STAGES for launcher in LAUNCHERS} if FULL else {"fsdp2": ("sft",), "zero2": ("sft",)}
 CELLS = [(launcher, stage) for launcher, stages in STAGES_RUN.items() for stage in stages]
 LOGIT_ATOL = 1e-5
 TABLE: dict[tuple[str, str], dict] = {}  # (launcher, stage) -> seconds, largest loss difference: printed at the end
@@ -119,7 +120,10 @@ def prompts_by_step(stage_dir: Path) -> list[tuple[int, str]]:
 
 # --- LoRA under sharding ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lora_one_process(one_process, tmp_path_factory) -> Path:
+def lora_one_process(one_process, tmp_path_factory) -> Path | None:
+    """LoRA SFT in one process, the sharded LoRA runs' loss reference (full matrix only: CI compares logits)."""
+    if not FULL:
+        return None
     root = tmp_path_factory.mktemp("lora-one")
     result = posttrain(*pipeline_args(root, "one", one_process["base"], 2 * B, ("sft",)), LORA, timeout=600,
                        OMP_NUM_THREADS="1")
@@ -131,8 +135,8 @@ def lora_one_process(one_process, tmp_path_factory) -> Path:
 def test_lora_adapters_trained_sharded_merge_into_the_saved_model(one_process, lora_one_process, launcher,
                                                                    tmp_path):
     """LoRA SFT under a launcher that shards the weights: the adapter is saved, and the merged model/ gives the
-    logits of the parent with that adapter applied (peft, one process) within LOGIT_ATOL; the losses are those of
-    one process."""
+    logits of the parent with that adapter applied (peft, one process) within LOGIT_ATOL; in the full matrix the
+    losses are also those of one process."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -143,7 +147,8 @@ def test_lora_adapters_trained_sharded_merge_into_the_saved_model(one_process, l
     stage_dir = tmp_path / "l" / DIRS["sft"]
     record = verify_artifact(stage_dir)
     assert record["strategy"]["name"] == launcher
-    assert largest_loss_difference(losses(lora_one_process), losses(stage_dir)) <= LOSS_RTOL
+    if lora_one_process is not None:
+        assert largest_loss_difference(losses(lora_one_process), losses(stage_dir)) <= LOSS_RTOL
 
     merged = AutoModelForCausalLM.from_pretrained(stage_dir / "model").eval()
     parent = AutoModelForCausalLM.from_pretrained(one_process["base"] / "model").eval()
@@ -187,7 +192,8 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint(launched, launcher, o
 def test_two_machines_of_one_process_each_train_sft_and_write_one_artifact(one_process, tmp_path):
     """The multi_node template as its header says to run it, once per "machine" (--machine_rank 0 and 1), here two
     launches of one process each on this host with main_process_ip 127.0.0.1 and the shared run directory: SFT
-    trains under its ZeRO-3 config, machine 0 alone writes the artifact, and the losses are one process's."""
+    trains under its ZeRO-3 config, machine 0 alone writes the artifact, and the losses and final weights are one
+    process's (within the matrix's tolerances)."""
     import subprocess
     import sys
 
@@ -208,6 +214,8 @@ def test_two_machines_of_one_process_each_train_sft_and_write_one_artifact(one_p
     assert record["strategy"]["name"] == "zero3" and record["processes"] == 2
     assert len(list((tmp_path / "m").rglob("manifest.json"))) == 1
     assert outputs[0].count("sft: done in") == 1 and "sft: done in" not in outputs[1]  # machine 1 stays quiet
-    reference = losses(one_process["run"] / DIRS["sft"])
-    assert largest_loss_difference(reference, losses(stage_dir)) <= LOSS_RTOL
+    reference = one_process["run"] / DIRS["sft"]
+    assert largest_loss_difference(losses(reference), losses(stage_dir)) <= LOSS_RTOL
     load_in_one_process(stage_dir, "sft")
+    w_one, w_two, w_parent = weights(reference), weights(stage_dir), weights(one_process["base"])
+    assert weight_distance(w_one, w_two) <= WEIGHT_RTOL * weight_distance(w_one, w_parent)
