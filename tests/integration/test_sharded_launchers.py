@@ -23,15 +23,18 @@ zero3 resume.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from posttrain.artifacts import verify_artifact
-from tests.helpers import posttrain
-from tests.integration.launching import (B, DIRS, LORA, LOSS_RTOL, STAGES, STEPS, WEIGHT_RTOL, largest_loss_difference,
-                                         launcher_args, losses, pipeline_args, stage_seconds,
+from tests.helpers import REPO, cli_env, posttrain
+from tests.integration.launching import (B, DIRS, LORA, LOSS_RTOL, STAGES, STEPS, WEIGHT_RTOL, free_port,
+                                         largest_loss_difference, launcher_args, losses, pipeline_args, stage_seconds,
                                          weight_distance, weights)
 
 pytestmark = pytest.mark.slow
@@ -112,8 +115,6 @@ def load_in_one_process(stage_dir: Path, stage: str) -> None:
 
 
 def prompts_by_step(stage_dir: Path) -> list[tuple[int, str]]:
-    import json
-
     rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
     return [(r["step"], r["prompt"]) for r in rows]
 
@@ -194,12 +195,6 @@ def test_two_machines_of_one_process_each_train_sft_and_write_one_artifact(one_p
     launches of one process each on this host with main_process_ip 127.0.0.1 and the shared run directory: SFT
     trains under its ZeRO-3 config, machine 0 alone writes the artifact, and the losses and final weights are one
     process's (within the matrix's tolerances)."""
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO, cli_env
-    from tests.integration.launching import free_port
-
     stage_args = ["stage=sft", *pipeline_args(tmp_path, "m", one_process["base"], B, ("sft",))[1:]]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               "recipes/accelerate/multi_node.yaml", "--num_machines", "2", "--num_processes", "2",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config import RecipeError, compose
-from posttrain.preflight import preflight
+from posttrain.preflight import check_capacity, preflight
+from tests.conftest import REPO
 from tests.helpers import posttrain
 
 
@@ -70,9 +71,6 @@ def test_a_launcher_that_does_not_fit_the_recipes_machine_fails_before_the_first
     """pipeline=qwen3-8b is sized for 8 x 80 GB under zero3; under ddp its full fine-tuning needs ~137 GB per GPU.
     The planner reads the model's config.json (here the fixture written from the model card). The capacity check
     alone: the recipe's GPU trainer blocks do not build on this CPU machine."""
-    from posttrain.preflight import check_capacity
-    from tests.conftest import REPO
-
     config = REPO / "tests" / "fixtures" / "qwen3-8b.config.json"
     cfg = compose(["pipeline=qwen3-8b", f"model.name_or_path={config}", "pipeline.launcher=ddp"])
     with pytest.raises(RecipeError, match=r"(?s)launcher=ddp: by the capacity planner, a stage does not fit on "
