@@ -197,6 +197,9 @@ class ServeCfg:
     backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
     served_model_name: str | None = None  # default: the artifact's label (dpo-int8), else the directory's name
     quant_backend: str = "auto"  # the engine's quantized matmul: auto | own | aten | ...
+    # torch threads of the engine process; 0: every core but one, which the HTTP front end keeps (on 2 cores a
+    # second engine thread waited on the front end at every parallel op: 0.43 of the engine's tokens/s vs 0.62)
+    threads: int = 0
 
 
 @dataclass

@@ -4,18 +4,20 @@
     POST /v1/completions         text in, text out (stream=true: server-sent events)
     POST /v1/chat/completions    messages in, the chat template applied here; reasoning inside <think>...</think>
                                  comes back as `reasoning_content`, <tool_call> blocks as `tool_calls`
-    GET  /health                 200 while the engine thread runs
+    GET  /health                 200 while the engine process runs
     GET  /metrics                Prometheus text: time to first token, time between tokens, tokens generated,
                                  requests in flight, queue length, rows decoding
 
-Every request becomes one or more `scheduler.Request`s (n > 1 gives n); the engine thread calls back on each token
-and the callbacks hand events to this event loop through `call_soon_threadsafe`.
+Every request becomes one or more `scheduler.Request`s (n > 1 gives n), sent to the engine process
+(`posttrain.serve.core`); its reader thread calls back on each token and the callbacks hand events to this event
+loop through `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -26,10 +28,11 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from posttrain.serve.engine import Engine, SamplingParams
+from posttrain.serve.core import CoreClient
+from posttrain.serve.engine import SamplingParams
 from posttrain.serve.parsing import ReplyParser, opens_thinking
 from posttrain.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling, parse_body
-from posttrain.serve.scheduler import Request, Scheduler
+from posttrain.serve.scheduler import Request
 
 log = logging.getLogger("posttrain")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -67,8 +70,8 @@ class Metrics:
 
 @dataclass
 class Served:
-    engine: Engine
-    scheduler: Scheduler
+    core: CoreClient  # the engine process (the Scheduler's interface)
+    tokenizer: object
     name: str
     root: str  # where the weights came from
     api_key: str | None
@@ -76,15 +79,33 @@ class Served:
     created: int
 
 
-def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = None):
+class Authorize:
+    """The API key check on /v1/ routes, as plain ASGI middleware: starlette's `@app.middleware("http")` would run
+    every request through a task and a copy of its receive stream of its own, on the front end's one thread."""
+
+    def __init__(self, app, api_key: str, metrics: Metrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            sent = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(sent, self.expected):  # in constant time
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                self.metrics.requests.labels(scope["path"], "401").inc()
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(core: CoreClient, tokenizer, name: str, root: str = "", api_key: str | None = None):
     metrics = Metrics()
-    served = Served(engine, Scheduler(engine, on_step=metrics.on_step), name, root, api_key, metrics,
-                    int(time.time()))
+    core.on_step = metrics.on_step
+    served = Served(core, tokenizer, name, root, api_key, metrics, int(time.time()))
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        served.scheduler.close()  # the engine thread stops with the server
-        served.engine.release()  # and its weights and cache go: FastAPI may keep this app's endpoints alive
+        served.core.close()  # the engine process, its weights and its cache go with the server
 
     app = FastAPI(title="posttrain", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.served = served
@@ -94,19 +115,12 @@ def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = 
         metrics.requests.labels(request.url.path, str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def authorize(request: HTTPRequest, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
-                metrics.requests.labels(request.url.path, "401").inc()
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(Authorize, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():
-        if not served.scheduler.thread.is_alive():
+        if not served.core.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
@@ -119,7 +133,7 @@ def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": served.created,
-                                            "owned_by": "posttrain", "root": root, "max_model_len": engine.max_len}]}
+                                            "owned_by": "posttrain", "root": root, "max_model_len": core.max_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -133,7 +147,7 @@ def create_app(engine: Engine, name: str, root: str = "", api_key: str | None = 
         body = parse_body(ChatRequest, await request.body())
         check_model(served, body.model)
         text = render_chat(served, body)
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         return await respond(served, request, body, [ids], chat={"thinking": opens_thinking(text),
                                                                  "tools": bool(body.tools)},
                              endpoint="/v1/chat/completions")
@@ -159,7 +173,7 @@ def check_model(served: Served, model: str) -> None:
 
 
 def completion_prompts(served: Served, prompt) -> list[list[int]]:
-    tok = served.engine.tokenizer
+    tok = served.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -169,7 +183,7 @@ def completion_prompts(served: Served, prompt) -> list[list[int]]:
         ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, f"prompt {i} is empty", param="prompt")
-        if any(t < 0 or t >= served.engine.model.args.vocab_size for t in ids):
+        if any(t < 0 or t >= served.core.info["vocab_size"] for t in ids):
             raise APIError(400, f"prompt {i} has token ids outside the vocabulary", param="prompt")
         out.append(ids)
     if not out:
@@ -178,7 +192,7 @@ def completion_prompts(served: Served, prompt) -> list[list[int]]:
 
 
 def render_chat(served: Served, body: ChatRequest) -> str:
-    tok = served.engine.tokenizer
+    tok = served.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, f"the model '{served.name}' has no chat template; use /v1/completions")
     tools = [t.model_dump() for t in body.tools] if body.tools and body.tool_choice != "none" else None
@@ -190,7 +204,7 @@ def render_chat(served: Served, body: ChatRequest) -> str:
 
 
 def sampling_params(served: Served, body: Sampling, chat: bool, prompts: list[list[int]]) -> SamplingParams:
-    max_len = served.engine.max_len
+    max_len = served.core.max_len
     longest = max(len(p) for p in prompts)
     if longest >= max_len:
         raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {longest}.",
@@ -221,8 +235,10 @@ def requests_for(served: Served, prompts, params: SamplingParams, n: int, on_eve
     return out
 
 
-def listener(served: Served, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-    """Callbacks for the engine thread: record metrics there, then pass (index, kind) to the event loop."""
+def listener(served: Served, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, stream: bool):
+    """Callbacks for the core client's reader thread: record metrics there, then pass (index, kind) to the event loop. Only a
+    stream hears of each token; a whole reply waits for the finish alone, so a non-streamed request wakes the
+    event loop once rather than once per token."""
     metrics = served.metrics
 
     def on_event(index: int, kind: str):
@@ -236,6 +252,8 @@ def listener(served: Served, loop: asyncio.AbstractEventLoop, queue: asyncio.Que
                 else:
                     metrics.tbt.observe(request.last_token_at - last[0])
                 last[0] = request.last_token_at
+                if not stream:
+                    return
             loop.call_soon_threadsafe(queue.put_nowait, (index, kind))
         return callback
     return on_event
@@ -243,7 +261,7 @@ def listener(served: Served, loop: asyncio.AbstractEventLoop, queue: asyncio.Que
 
 async def run_all(served: Served, prompts, params, n: int) -> list[Request]:
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    requests = requests_for(served, prompts, params, n, listener(served, loop, queue))
+    requests = requests_for(served, prompts, params, n, listener(served, loop, queue, stream=False))
     served.metrics.in_flight.inc()
     try:
         submit(served, requests)
@@ -254,23 +272,25 @@ async def run_all(served: Served, prompts, params, n: int) -> list[Request]:
     finally:
         served.metrics.in_flight.dec()
         for r in requests:
-            served.scheduler.cancel(r)  # no-op for finished ones; frees rows if the client went away
+            served.core.cancel(r)  # no-op for finished ones; frees rows if the client went away
     return requests
 
 
 def submit(served: Served, requests: list[Request]) -> None:
     for r in requests:
         try:
-            served.scheduler.submit(r)
+            served.core.submit(r)
         except ValueError as err:
             raise APIError(400, str(err)) from None
+        except RuntimeError as err:  # the engine process is gone
+            raise APIError(503, str(err), type_="server_error") from None
         served.metrics.prompt_tokens.inc(len(r.prompt))
 
 
 def final_text(served: Served, request: Request) -> str:
     if request.stop_text is not None:
         return request.stop_text
-    return served.engine.tokenizer.decode(request.tokens, skip_special_tokens=True)
+    return served.tokenizer.decode(request.tokens, skip_special_tokens=True)
 
 
 def check_failed(requests: list[Request]) -> None:
@@ -308,7 +328,7 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
     """Server-sent events: one chunk per new piece of text per choice, a last chunk with the finish reason,
     optionally a usage chunk, then `data: [DONE]`."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    requests = requests_for(served, prompts, params, body.n, listener(served, loop, queue))
+    requests = requests_for(served, prompts, params, body.n, listener(served, loop, queue, stream=True))
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in params.stop), default=1) - 1  # text that may still turn into a stop string
@@ -341,7 +361,7 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
             r = requests[index]
             if event == "token":
                 # a trailing U+FFFD may be a multi-byte character not complete yet: hold it back
-                text = served.engine.tokenizer.decode(r.tokens, skip_special_tokens=True).rstrip("\ufffd")
+                text = served.tokenizer.decode(r.tokens, skip_special_tokens=True).rstrip("\ufffd")
                 if chat:
                     delta = chat_delta(*parsers[index].feed(text[: len(text) - hold] if hold else text))
                     if delta:
@@ -373,4 +393,4 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
     finally:
         served.metrics.in_flight.dec()
         for r in requests:
-            served.scheduler.cancel(r)
+            served.core.cancel(r)

@@ -12,8 +12,8 @@ A row's stale keys from an earlier request never leak: the causal mask over cach
 positions up to its own, all of which its own prefill and decode steps wrote. So a greedy request gets the same
 tokens alone or among others (tests/integration/test_server.py checks this with 64 concurrent requests).
 
-Callers hear about progress through callbacks run on the engine thread (`on_token`, `on_finish`); the HTTP layer
-forwards them to its event loop. Why not vLLM's or TGI's schedulers: neither runs on this CPU, and the engine's
+Callers hear about progress through callbacks run on the engine thread (`on_token`, `on_finish`); in the server
+the scheduler runs in the engine process (posttrain.serve.core), which batches them into one message per step. Why not vLLM's or TGI's schedulers: neither runs on this CPU, and the engine's
 static cache with per-row positions makes the scheduler a short loop.
 """
 
@@ -65,6 +65,16 @@ class Request:
         return (self.last_token_at - self.first_token_at) / (len(self.tokens) - 1)
 
 
+def check_request(request: Request, max_len: int) -> None:
+    """Raise ValueError on bad sampling parameters, an empty prompt or one too long for the context."""
+    request.params.check()
+    if not request.prompt:
+        raise ValueError("the prompt is empty")
+    if len(request.prompt) + request.params.max_tokens > max_len:
+        raise ValueError(f"{len(request.prompt)} prompt tokens + max_tokens {request.params.max_tokens} exceed "
+                         f"the context of {max_len} tokens")
+
+
 class Scheduler:
     """Runs requests on `engine` in a background thread; `submit` is safe from any thread."""
 
@@ -87,12 +97,7 @@ class Scheduler:
     # ---- the public side -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
         """Queue a request (checked first: raises ValueError on bad parameters or a prompt too long)."""
-        request.params.check()
-        if not request.prompt:
-            raise ValueError("the prompt is empty")
-        if len(request.prompt) + request.params.max_tokens > self.engine.max_len:
-            raise ValueError(f"{len(request.prompt)} prompt tokens + max_tokens {request.params.max_tokens} exceed "
-                             f"the context of {self.engine.max_len} tokens")
+        check_request(request, self.engine.max_len)
         with self.lock:
             if self.stopping:
                 raise RuntimeError("the engine is shutting down")

@@ -8,11 +8,14 @@ Options are `key=value` (or `--key value`): host (127.0.0.1), port (8000; 0 pick
 requests need no key; also read from POSTTRAIN_API_KEY), dtype (float32 | bfloat16), max_batch (32 rows decoding
 together), max_len (2048 tokens of context, at most the model's), kv_dtype (auto: the weights' | float32 | bfloat16),
 backend (posttrain | vllm), served_model_name (default: the artifact's label, e.g. dpo-int8), quant_backend
-(auto | own | aten | ...). The KV cache grows in blocks of 256 positions per row as requests need them, up to
+(auto | own | aten | ...), threads (the engine process's torch threads; 0: all cores but one). The KV cache grows in blocks of 256 positions per row as requests need them, up to
 max_batch x max_len; the server logs its weights, cache and peak memory at start, beside the planner's estimate.
 
-`background_server` runs the same server in a thread of the calling process (the evaluator uses it) or, for
-backend=vllm, as a subprocess; either way the caller gets a base URL for the `openai` client.
+Our server is two processes: the HTTP front end (this one) and the engine process (`posttrain.serve.core`), which
+holds the model and runs the scheduler. `background_server` runs the front end in a thread of the calling process
+(the evaluator uses it; the engine still gets a process of its own, so the evaluator's client shares no lock with
+it) or, for backend=vllm, `vllm serve` as a subprocess; either way the caller gets a base URL for the `openai`
+client.
 """
 
 from __future__ import annotations
@@ -33,8 +36,6 @@ from pathlib import Path
 from posttrain.artifacts import read_manifest, verify_artifact
 from posttrain.config_schema import ServeCfg
 from posttrain.models.loading import check_model_reachable
-from posttrain.planner.config import load_config
-from posttrain.planner.plan import plan_model
 from posttrain.registry import checkpoint_label
 
 log = logging.getLogger("posttrain")
@@ -108,56 +109,6 @@ def resolve_model(location: str) -> tuple[str, str]:
     return location, path.name if path.exists() else location
 
 
-def build_engine(opts: ServeCfg, weights: str):
-    # the engine brings torch: `posttrain serve --help`, the vLLM backend and the CLI's other commands do without it
-    from posttrain.serve.engine import load_engine
-
-    engine = load_engine(weights, dtype=opts.dtype, max_batch=opts.max_batch, quant_backend=opts.quant_backend,
-                         kv_dtype=None if opts.kv_dtype == "auto" else opts.kv_dtype)
-    engine.max_len = min(opts.max_len, engine.max_len)
-    engine.reserve(1)
-    report = memory_report(engine, weights)
-    mb = lambda n: f"{n / 1e6:,.0f} MB" if n is not None else "n/a"  # noqa: E731
-    log.info("serve: memory: weights %s (%s), KV cache %s now, up to %s (%d rows x %d positions x %d B); peak "
-             "resident %s; the planner's estimate: weights %s, KV cache %s", mb(report["weights_bytes"]),
-             opts.dtype, mb(report["kv_bytes_now"]), mb(report["kv_bytes_max"]), engine.max_batch, engine.max_len,
-             report["kv_bytes_per_token"], mb(report["peak_rss_bytes"]), mb(report["planned_weights_bytes"]),
-             mb(report["planned_kv_bytes"]))
-    return engine
-
-
-def memory_report(engine, weights: str) -> dict:
-    """What a loaded engine holds, beside what the planner predicts for it: weight bytes (parameters and quantized
-    buffers, not the cache or rotary tables), the KV cache now and at max_batch x max_len, the process's peak
-    resident memory. The planner's figures are None for a quantized directory (its format is the export's)."""
-    import resource
-
-    import torch
-
-    # the engine's modules bring torch, which `posttrain serve --help` and the vLLM backend do without
-    from posttrain.serve.model import KVCache
-
-    model = engine.model
-    skip = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
-    skip |= {id(getattr(model, n)) for n in ("rope_cos", "rope_sin", "slots", "head_offsets", "inv_freq")
-             if isinstance(getattr(model, n, None), torch.Tensor)}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
-    per_token = model.kv_bytes_per_token()
-    config = load_config(weights)
-    planned_weights = planned_kv = None
-    if "quantization_config" not in config:
-        kv_dtype = str(model.kv_dtype).removeprefix("torch.")
-        plan = plan_model(config, kv_dtype=kv_dtype, contexts=[engine.max_len], batches=[engine.max_batch])
-        fmt = {"float32": "fp32", "bfloat16": "bf16"}.get(str(model.model.norm.weight.dtype).removeprefix("torch."))
-        planned_weights = next((w.bytes for w in plan.weights if w.format == fmt), None)
-        planned_kv = plan.kv.table[0]["kv_bytes"]
-    return {"weights_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-            "kv_bytes_now": model.cache_bytes(), "kv_bytes_per_token": per_token,
-            "kv_bytes_max": per_token * engine.max_batch * engine.max_len,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "planned_weights_bytes": planned_weights, "planned_kv_bytes": planned_kv}
-
-
 def build_app(opts: ServeCfg):
     """(the OpenAI-compatible app on our engine, its served name). The model is resolved once: an artifact's
     weights are hashed against its manifest here and nowhere else in the server."""
@@ -166,7 +117,25 @@ def build_app(opts: ServeCfg):
 
     weights, default_name = resolve_model(opts.model)
     name = opts.served_model_name or default_name
-    return create_app(build_engine(opts, weights), name, root=opts.model, api_key=opts.api_key), name
+    core, tokenizer = start_engine(opts, weights)
+    return create_app(core, tokenizer, name, root=opts.model, api_key=opts.api_key), name
+
+
+def start_engine(opts: ServeCfg, weights: str):
+    """(the engine process on `weights`, as a `CoreClient`; the tokenizer the front end renders and decodes with)."""
+    # both bring torch and transformers, which `posttrain serve --help` and the vLLM backend do without
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.serve.core import CoreClient
+
+    core = CoreClient(opts, weights)
+    try:
+        tokenizer = load_tokenizer(weights)  # while the engine process loads the weights
+        core.wait_ready()
+    except BaseException:
+        core.close()
+        raise
+    log.info("serve: memory: %s", core.info["memory"])
+    return core, tokenizer
 
 
 def free_socket(host: str, port: int) -> socket.socket:
@@ -185,11 +154,11 @@ def serve(opts: ServeCfg) -> None:
     import uvicorn
 
     app, name = build_app(opts)
-    engine = app.state.served.engine
+    core = app.state.served.core
     sock = free_socket(opts.host, opts.port)
     port = sock.getsockname()[1]
-    print(f"posttrain serve: '{name}' on http://{opts.host}:{port}/v1 (max_batch {engine.max_batch}, context "
-          f"{engine.max_len}{', API key required' if opts.api_key else ''})", flush=True)
+    print(f"posttrain serve: '{name}' on http://{opts.host}:{port}/v1 (max_batch {core.max_batch}, context "
+          f"{core.max_len}{', API key required' if opts.api_key else ''})", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
@@ -270,8 +239,7 @@ def background_server(opts: ServeCfg, startup_timeout: float = 600.0):
     def stop():
         uv.should_exit = True
         thread.join(30)
-        app.state.served.scheduler.close()
-        app.state.served.engine.release()
+        app.state.served.core.close()
         sock.close()
 
     try:

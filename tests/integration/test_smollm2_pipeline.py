@@ -22,14 +22,34 @@ __all__ = ["smollm2"]  # the fixture, shared with test_smollm2.py
 
 # --- serving one checkpoint after another in one process (what eval does) -------------------------------------------
 SERVE_FOUR = """
-import json, logging, sys
+import glob, json, logging, os, sys
 import openai
 from posttrain.config_schema import ServeCfg
 from posttrain.serve.server import background_server
 
-def rss():  # resident bytes now (not the peak)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+def descendants(pid):
+    children = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+def rss():  # resident bytes now (not the peak) of this process and every process under it (the engine's)
+    total = 0
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * 4096
+        except OSError:
+            pass
+    return total
 
 logging.basicConfig(level=logging.INFO)
 after = []
@@ -47,10 +67,11 @@ print(json.dumps(after))
 @needs_smollm2
 @pytest.mark.slow
 def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2, capfd):
-    """Eval serves each checkpoint in turn in its own process. Each SmolLM2 server holds ~540 MB of fp32 weights
-    plus its cache, so four servers whose engines outlived them would hold 1.5 GB more after the fourth than after
-    the first; released, the resident memory after four stays within 300 MB of the first's. The server's start-up
-    line states weights and cache beside the planner's estimate."""
+    """Eval serves each checkpoint in turn from one process. Each SmolLM2 server's engine process holds ~540 MB of
+    fp32 weights plus its cache, so four engines that outlived their servers would hold 1.5 GB more after the fourth
+    than after the first; the resident memory of the evaluating process and every process under it (the engine's
+    forkserver, any engine process left) stays within 300 MB of the first's. The server's start-up line states
+    weights and cache beside the planner's estimate."""
     _, location = smollm2
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
     result = subprocess.run([sys.executable, "-c", SERVE_FOUR, str(location)], cwd=REPO, env=env,

@@ -24,10 +24,9 @@ from posttrain.serve.server import HTTP_LOGGERS
 
 def stub_app(received: list[str]):
     """Chat completions as a server answers them: `n` choices, or an SSE stream ending with a usage chunk. The
-    engine's release() is recorded in `received` as "release"."""
+    engine process's close() is recorded in `received` as "release"."""
     app = FastAPI()
-    app.state.served = SimpleNamespace(scheduler=SimpleNamespace(close=lambda: None),
-                                       engine=SimpleNamespace(release=lambda: received.append("release")))
+    app.state.served = SimpleNamespace(core=SimpleNamespace(close=lambda: received.append("release")))
     head = {"id": "c", "created": 0, "model": "stub"}
 
     @app.post("/v1/chat/completions")
@@ -70,12 +69,12 @@ def stub_server(monkeypatch):
 
     received: list[str] = []
     api = types.ModuleType("posttrain.serve.api")
-    api.create_app = lambda engine, name, root, api_key: stub_app(received)
+    api.create_app = lambda core, tokenizer, name, root, api_key: stub_app(received)
     monkeypatch.setitem(sys.modules, "posttrain.serve.api", api)
     resolved = []  # the server resolves each model once
     monkeypatch.setattr(server, "resolve_model", lambda location: (resolved.append(location), (location, "stub"))[1])
 
-    monkeypatch.setattr(server, "build_engine", lambda opts, weights: None)
+    monkeypatch.setattr(server, "start_engine", lambda opts, weights: (None, None))
     return received, resolved
 
 

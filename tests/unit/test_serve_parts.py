@@ -291,7 +291,7 @@ def test_a_released_engine_frees_its_model_and_cache():
 def test_served_memory_matches_the_planners_estimate(family, tmp_path):
     """The weights and KV cache a server logs at start are within 10% of what the planner predicts for the same
     config, rows and context (the cache exactly: both count layers x 2 x kv heads x head_dim x bytes)."""
-    from posttrain.serve.server import memory_report
+    from posttrain.serve.core import memory_report
 
     hf = tiny_hf(family)
     hf.config.save_pretrained(tmp_path)
