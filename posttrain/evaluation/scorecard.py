@@ -122,7 +122,8 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     return ids["input_ids"] if hasattr(ids, "keys") else ids
 
 
-def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
+def build_suites(eval_cfg, seed: int) -> list:
+    """The suites `eval.suites` names, each with its `eval.n_prompts` held-out prompts."""
     suites = []
     for name in eval_cfg.suites:
         if name not in eval_cfg.n_prompts:
@@ -135,6 +136,11 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
             if name != "pku_saferlhf":
                 kwargs["temperature"] = eval_cfg.temperature
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
+    return suites
+
+
+def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
+    suites = build_suites(eval_cfg, seed)
     generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
     if generators and serve_cfg.backend == "posttrain":
         check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
