@@ -98,8 +98,9 @@ def build_hf(name: str, dtype: torch.dtype):
     raise ValueError(f"unknown model {name!r}; expected qwen3-0.5b or smollm2-135m")
 
 
-def quantize_in_both(hf, ours, fmt: str, backend: str = "auto") -> None:
-    """Quantize the decoder linears once (RTN) and swap the same fused modules into both models; LM head -> bf16."""
+def quantize_in_both(hf, ours, fmt: str, backend: str = "auto", lm_head: str = "bf16") -> None:
+    """Quantize the decoder linears once (RTN) and swap the same fused modules into both models; the LM head
+    becomes bf16, or with lm_head="int8" int8 per output channel (RTN, like llama.cpp's Q8_0 output matrix)."""
     from posttrain.quant.calibrate import quantize_model
     from posttrain.quant.linear import swap_dense_linears, swap_linears
 
@@ -111,7 +112,12 @@ def quantize_in_both(hf, ours, fmt: str, backend: str = "auto") -> None:
     act = next(hf.parameters()).dtype
     for model in (hf, ours):
         swap_linears(model, quantized, act, backend=backend)
-    swap_dense_linears(hf, ["lm_head"], act, torch.bfloat16)
+    if lm_head == "int8":
+        from posttrain.quant.formats import quantize_weight
+
+        swap_linears(hf, {"lm_head": quantize_weight(hf.lm_head.weight, "int8")}, act, backend=backend)
+    else:
+        swap_dense_linears(hf, ["lm_head"], act, torch.bfloat16)
     ours.lm_head = hf.lm_head  # the same module object: no second copy of the largest matrix
 
 
@@ -227,6 +233,8 @@ def main() -> None:
     parser.add_argument("--compile-batches", nargs="*", type=int, default=[1],
                         help="batch sizes whose decode step our engine compiles (torch.compile; tens of seconds "
                              "once per cell); batch 16 is compute-bound, where the compile buys little")
+    parser.add_argument("--lm-head", choices=["bf16", "int8"], default="bf16",
+                        help="the LM head of the int8 / int4 cells (fp32 and bf16 cells keep their own)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -249,7 +257,7 @@ def main() -> None:
             ours = model_from_hf(hf)
             if dtype in ("int8", "int4", "int4-a8", "int4-g32"):
                 fmt = "int4" if dtype == "int4-a8" else dtype
-                quantize_in_both(hf, ours, fmt, "own_q8" if dtype == "int4-a8" else "auto")
+                quantize_in_both(hf, ours, fmt, "own_q8" if dtype == "int4-a8" else "auto", args.lm_head)
             else:  # fp32 / bf16: our decoder on the own streaming kernels (DenseLinear), the LM head included
                 from posttrain.quant.linear import swap_dense_linears
 
@@ -262,7 +270,8 @@ def main() -> None:
                 reps = args.reps if batch == 1 else args.reps_batched
                 cell = run_cell(hf, ours, batch, args.new_tokens, reps, batch in args.compile_batches)
                 ceiling = batch * bandwidth["ceiling"] * 1e9 / step_bytes
-                row = {"model": name, "params": params, "dtype": dtype, "batch": batch,
+                label = f"{dtype}, int8 head" if args.lm_head == "int8" and dtype.startswith("int") else dtype
+                row = {"model": name, "params": params, "dtype": label, "batch": batch,
                        "weight_mb_per_step": step_bytes / 2**20, "ceiling_tok_s": ceiling, **cell,
                        "ours_over_hf": cell["ours_tok_s"] / cell["hf_tok_s"],
                        "ours_over_ceiling": cell["ours_tok_s"] / ceiling,
