@@ -115,7 +115,7 @@ def quantize_in_both(hf, ours, fmt: str, backend: str = "auto", lm_head: str = "
     if lm_head == "int8":
         from posttrain.quant.formats import quantize_weight
 
-        swap_linears(hf, {"lm_head": quantize_weight(hf.lm_head.weight, "int8")}, act, backend=backend)
+        swap_linears(hf, {"lm_head": quantize_weight(hf.lm_head.weight, "int8")}, act)  # own_q8 is int4-only
     else:
         swap_dense_linears(hf, ["lm_head"], act, torch.bfloat16)
     ours.lm_head = hf.lm_head  # the same module object: no second copy of the largest matrix
