@@ -324,6 +324,26 @@ def build_response(served: Served, body, prompts, requests: list[Request], chat)
             "created": created, "model": served.name, "choices": choices, "usage": usage(prompts, requests)}
 
 
+class IncrementalText:
+    """A stream's text so far, decoded a few tokens at a time rather than whole at every token (what TGI and vLLM
+    do): the tokens since `prefix` are decoded twice, with and without the newest ones, and the difference is the
+    new text. Starting a token early keeps what a tokenizer does at a word's start (SentencePiece's leading space)
+    out of the difference. A difference that ends in U+FFFD (part of a multi-byte character) waits for the next
+    token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+
+    def update(self, tokens: list[int]) -> str:
+        decode = self.tokenizer.decode
+        before = decode(tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(tokens[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
+
+
 async def stream_events(served: Served, http_request, body, prompts, params, chat):
     """Server-sent events: one chunk per new piece of text per choice, a last chunk with the finish reason,
     optionally a usage chunk, then `data: [DONE]`."""
@@ -334,6 +354,7 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
     hold = max((len(s) for s in params.stop), default=1) - 1  # text that may still turn into a stop string
     sent = [0] * len(requests)
     parsers = [ReplyParser(chat["thinking"], chat["tools"]) if chat else None for _ in requests]
+    texts = [IncrementalText(served.tokenizer) for _ in requests]
 
     def chunk(index: int, delta: dict | str, finish: str | None = None) -> str:
         choice = ({"index": index, "delta": delta, "finish_reason": finish} if chat else
@@ -360,8 +381,7 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
             index, event = await queue.get()
             r = requests[index]
             if event == "token":
-                # a trailing U+FFFD may be a multi-byte character not complete yet: hold it back
-                text = served.tokenizer.decode(r.tokens, skip_special_tokens=True).rstrip("\ufffd")
+                text = texts[index].update(r.tokens)
                 if chat:
                     delta = chat_delta(*parsers[index].feed(text[: len(text) - hold] if hold else text))
                     if delta:
