@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from posttrain.serve.core import CoreClient
 from posttrain.serve.engine import SamplingParams
-from posttrain.serve.parsing import ReplyParser, opens_thinking
+from posttrain.serve.parsing import IncrementalText, ReplyParser, opens_thinking
 from posttrain.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling, parse_body
 from posttrain.serve.scheduler import Request
 
@@ -322,26 +322,6 @@ def build_response(served: Served, body, prompts, requests: list[Request], chat)
                         "finish_reason": "tool_calls" if calls else r.finish_reason})
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": served.name, "choices": choices, "usage": usage(prompts, requests)}
-
-
-class IncrementalText:
-    """A stream's text so far, decoded a few tokens at a time rather than whole at every token (what TGI and vLLM
-    do): the tokens since `prefix` are decoded twice, with and without the newest ones, and the difference is the
-    new text. Starting a token early keeps what a tokenizer does at a word's start (SentencePiece's leading space)
-    out of the difference. A difference that ends in U+FFFD (part of a multi-byte character) waits for the next
-    token."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
-
-    def update(self, tokens: list[int]) -> str:
-        decode = self.tokenizer.decode
-        before = decode(tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(tokens[self.prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(tokens)
-        return self.text
 
 
 async def stream_events(served: Served, http_request, body, prompts, params, chat):

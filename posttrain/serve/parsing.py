@@ -7,7 +7,8 @@ opened the think block in the generation prompt), then the answer, then any numb
 
 Streaming: `ReplyParser.feed(text_so_far)` returns only what is new since the last call and holds back a tail that
 could still become a tag (`<thi` may be the start of `<think>`), so a delta never has to be taken back. Tool-call
-text is buffered and parsed when the reply ends (a half-written JSON object is not a call yet).
+text is buffered and parsed when the reply ends (a half-written JSON object is not a call yet). The text so far
+comes from `IncrementalText`, which decodes only the newest tokens.
 """
 
 from __future__ import annotations
@@ -124,3 +125,23 @@ class ReplyParser:
         self.sent_reasoning += len(r)
         self.sent_content += len(c)
         return r, c
+
+
+class IncrementalText:
+    """A stream's text so far, decoded a few tokens at a time rather than whole at every token (what TGI and vLLM
+    do): the tokens since `prefix` are decoded twice, with and without the newest ones, and the difference is the
+    new text. Starting a token early keeps what a tokenizer does at a word's start (SentencePiece's leading space)
+    out of the difference. A difference that ends in U+FFFD (part of a multi-byte character) waits for the next
+    token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+
+    def update(self, tokens: list[int]) -> str:
+        decode = self.tokenizer.decode
+        before = decode(tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(tokens[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.data.tiny_world import build_tiny_tokenizer
-from posttrain.serve.api import IncrementalText
+from posttrain.serve.parsing import IncrementalText
 
 TEXTS = [
     "Hello there, friend.",
