@@ -25,11 +25,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from posttrain.artifacts import read_manifest  # noqa: E402  (after the checkout is on the path)
+from posttrain.config import compose  # noqa: E402
+from posttrain.evaluation.run import quiet_eval_output, select, stage_dirs_of  # noqa: E402
+from posttrain.evaluation.scorecard import build_suites, score_checkpoint  # noqa: E402
+from posttrain.registry import is_generator  # noqa: E402
+from posttrain.serve.engine import SamplingParams, load_engine  # noqa: E402
+
 
 def engine_pass(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int) -> dict:
     """The eval's requests through `Engine.generate`: returns the wall time and the tokens generated."""
-    from posttrain.serve.engine import SamplingParams, load_engine
-
     start = time.perf_counter()
     engine = load_engine(stage_dir / "model", dtype=serve_cfg.dtype, max_batch=serve_cfg.max_batch,
                          max_len=serve_cfg.max_len, quant_backend=serve_cfg.quant_backend)
@@ -63,12 +68,6 @@ def main() -> None:
     parser.add_argument("--checkpoints", nargs="*", default=[], help="labels, stages or directories; default all")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-
-    from posttrain.config import compose
-    from posttrain.evaluation.run import quiet_eval_output, select, stage_dirs_of
-    from posttrain.evaluation.scorecard import build_suites, score_checkpoint
-    from posttrain.artifacts import read_manifest
-    from posttrain.registry import is_generator
 
     run = Path(args.run)
     cfg = compose([f"run.root={run.parent}", f"run.name={run.name}"])
