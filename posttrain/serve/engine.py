@@ -83,6 +83,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of logits [B, vocab] (the first index on ties, as torch's). On CPU through numpy:
+    torch's CPU argmax over a 49k vocabulary took ~190 us a row in bf16 (~100 in fp32) against numpy's ~25, 2 % of a
+    SmolLM2 batch-1 step, and 3 ms of every batch-32 step."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1).tolist()
+    return logits.float().numpy().argmax(-1).tolist()
+
+
 def sample_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One token per row of logits [B, vocab] with the same parameters for every row, drawn together from torch's
     global generator (what `sample` does row by row, in one call: on a batch of 128 rows the per-row calls took
@@ -220,7 +229,7 @@ class Engine:
         logits = self.prefill(prompts)
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         while True:
-            chosen = (logits.argmax(-1).tolist() if greedy else sample_rows(logits, params[0]).tolist() if together
+            chosen = (greedy_tokens(logits) if greedy else sample_rows(logits, params[0]).tolist() if together
                       else [sample(logits[r], params[r], generators[r]) for r in range(n)])
             chosen_lp = (torch.log_softmax(logits.float() / temps, dim=-1)
                          .gather(1, torch.tensor(chosen, device=self.device)[:, None])[:, 0].tolist()
@@ -347,6 +356,7 @@ def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: 
         if absent:
             raise ValueError(f"{location}: checkpoint lacks {absent[:5]}")
         swap_linears(model, quantized, torch_dtype(dtype), backend=quant_backend)
+        model.fuse_projections()  # q/k/v and gate/up each one kernel call where the layouts allow
         model.eval()
     else:
         model = model_from_hf(AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype)))

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from posttrain.serve.engine import Engine, SamplingParams, accept_token, sample
+from posttrain.serve.engine import Engine, SamplingParams, accept_token, greedy_tokens, sample
 
 log = logging.getLogger("posttrain")
 
@@ -185,7 +185,7 @@ class Scheduler:
 
     def _accept(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Pick each request's next token from its logits row (greedy rows in one argmax) and append it."""
-        greedy = logits.argmax(-1).tolist()
+        greedy = greedy_tokens(logits)
         now = time.perf_counter()
         for i, request in enumerate(requests):
             p = request.params

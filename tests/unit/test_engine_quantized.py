@@ -40,7 +40,9 @@ def quantized_checkpoint(float_dir, out_dir, fmt, group, symmetric):
     out = export_quantized(float_dir, quantized, out_dir, fmt, group_size=group, symmetric=symmetric)
     engine = load_engine(out, max_batch=2, max_len=64)
     swapped = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
-    assert len(swapped) == len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    assert len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down); q/k/v and gate/up may share a module
+    assert sum(m.out_features * m.in_features for m in swapped) == sum(q.shape[0] * q.shape[1]
+                                                                       for q in quantized.values())
     engine.model.setup_cache(2, 64)
     return model, quantized, out, engine
 
@@ -115,3 +117,39 @@ def test_quantized_moe_engine_matches_dequantized_float_model():
         ref = hf(ids).logits
         got = ours(ids, torch.arange(20)[None], slice(0, 1), 20)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family,fmt,backend", [("qwen2", "int4", "own"), ("llama", "int4", "own_q8"),
+                                                ("qwen3_moe", "int8", "own"), ("qwen3", "fp8", "own")])
+def test_fused_projections_give_the_same_logits(family, fmt, backend):
+    """q/k/v and gate/up merged into one own-kernel module each (biases included: Qwen2) compute exactly what the
+    separate modules did, in prefill and in a decode step; a layout the kernels cannot merge stays as it was."""
+    import copy
+
+    from posttrain.quant import cpu_kernels
+    from posttrain.quant.calibrate import quantize_model
+    from posttrain.quant.linear import QuantLinear, swap_linears
+    from posttrain.serve.engine import model_from_hf
+
+    if not cpu_kernels.available():
+        pytest.skip(f"own CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")
+    hf = tiny_hf(family)
+    quantized = quantize_model(hf, "rtn", fmt, 32 if fmt == "int4" else None)
+    separate = swap_linears(model_from_hf(hf), quantized, torch.float32, backend=backend)
+    fused = copy.deepcopy(separate)
+    experts = sum(1 for n in quantized if n.endswith("experts.0.gate_proj")) * 8
+    assert fused.fuse_projections() == 2 * 2 - (1 if family == "qwen3_moe" else 0) + experts
+    assert not hasattr(fused.model.layers[0].self_attn, "q_proj")
+    assert sum(isinstance(m, QuantLinear) for m in fused.modules()) < len(quantized)
+    ids = torch.randint(0, 160, (2, 12), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for model in (separate, fused):
+        model.setup_cache(2, 16)
+        with torch.no_grad():
+            prefill = model(ids, torch.arange(12).expand(2, 12), slice(0, 2), 12)
+            step = model(ids[:, :1], torch.full((2, 1), 12), slice(0, 2), 13, last=torch.zeros(2, dtype=torch.long))
+        outs.append((prefill, step))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    aten = swap_linears(model_from_hf(tiny_hf("llama")), quantize_model(tiny_hf("llama"), "rtn", "int8", None),
+                        torch.bfloat16, backend="aten")
+    assert aten.fuse_projections() == 0 and hasattr(aten.model.layers[0].self_attn, "q_proj")
