@@ -142,6 +142,9 @@ def run_cell(hf, ours, batch: int, new: int, reps: int, compile: bool) -> dict:
     from posttrain.serve.engine import Engine, SamplingParams
 
     prompts = torch.randint(0, 1000, (batch, 16), generator=torch.Generator().manual_seed(0))
+    # Dynamo keeps at most 8 compiled graphs per code object (Transformer.forward) and runs every later model
+    # eagerly: without a reset, the cells after the eighth would time the uncompiled step.
+    torch._dynamo.reset()
     engine = Engine(ours, None, max_batch=batch, max_len=16 + new + 1, stop_token_ids=[], compile=compile)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
 
@@ -222,6 +225,7 @@ def llamacpp_section(new: int, reps: int, threads: int) -> dict | None:
                 break
         return new / (time.perf_counter() - start)
 
+    torch._dynamo.reset()  # see run_cell: these engines must compile, not run eagerly past Dynamo's limit
     ours = []
     for label, fmt, group, symmetric, backend in LLAMACPP_LIKE:
         hf = build_hf("smollm2-135m", torch.bfloat16)
