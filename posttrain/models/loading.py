@@ -142,9 +142,33 @@ def sync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# Words in a model's id or path that claim its refusals were taken out. The name is the publisher's claim, not a
+# measurement: a loader says what the word means and where the measurement is.
+REFUSALS_REMOVED = {
+    "abliterated": "the direction in its activations that mediates refusal was projected out of the weights "
+                   "(abliteration), so it is meant to comply with requests its base model declines",
+    "heretic": "it was abliterated by the Heretic tool (refusal directions found and removed automatically), so it "
+               "is meant to comply with requests its base model declines",
+    "uncensored": "it was fine-tuned or edited to stop declining requests",
+}
+
+
+def warn_if_refusals_removed(name_or_path: str) -> list[str]:
+    """Log a warning for each word of REFUSALS_REMOVED in the model's id or path (any case); returns the words."""
+    found = [word for word in REFUSALS_REMOVED if word in str(name_or_path).lower()]
+    for word in found:
+        log.warning("model %s: the name says %r: %s. Treat that as a claim to measure: the scorecard's safety "
+                    "suites (safety and over_refusal in the tiny world, pku_saferlhf on real prompts) show how "
+                    "often it declines harmful requests and answers benign ones.", name_or_path, word,
+                    REFUSALS_REMOVED[word])
+    return found
+
+
 def check_model_reachable(name_or_path: str, revision: str | None = None) -> None:
     """FileNotFoundError, naming `name_or_path`, unless it is a local model directory or a hub id that can be loaded
-    (offline: one in the local Hugging Face cache). Cheap: reads no weights."""
+    (offline: one in the local Hugging Face cache). Cheap: reads no weights. Also warns when the name claims the
+    model's refusals were removed (`warn_if_refusals_removed`)."""
+    warn_if_refusals_removed(name_or_path)
     from huggingface_hub import constants, file_exists, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from posttrain.models.loading import check_model_reachable
+from posttrain.models.loading import check_model_reachable, warn_if_refusals_removed
 from tests.helpers import posttrain
 
 
@@ -49,3 +51,20 @@ def test_model_reachability(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.file_exists", lambda *args, **kwargs: False)
     with pytest.raises(FileNotFoundError, match="the hub has no config.json for it"):
         check_model_reachable("posttrain-test/absent")
+
+
+def test_a_name_that_claims_refusals_were_removed_is_warned_about(tmp_path, caplog):
+    model = tmp_path / "Qwen3-0.6B-Abliterated"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        check_model_reachable(str(model))
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "the name says 'abliterated'" in message and "projected out of the weights" in message
+    assert "pku_saferlhf" in message and str(model) in message
+    assert warn_if_refusals_removed("someone/Llama-3-8B-heretic-uncensored") == ["heretic", "uncensored"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        assert warn_if_refusals_removed("HuggingFaceTB/SmolLM2-135M-Instruct") == []
+    assert not caplog.records
