@@ -10,6 +10,7 @@
     posttrain serve <artifact|dir|hub id> [port=8000 api_key=... backend=posttrain|vllm ...]
                                                  the OpenAI-compatible server (posttrain serve --help)
     posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids
+    posttrain template cost --config ...         tokens and KV bytes per turn, thinking dropped vs kept
     posttrain data check <dataset|card|file> [--model M] [--json]
                                                  validate a dataset against its card before training
     posttrain plan <config.json|model dir|hub id> [--json] [--gpus N --gpu-mem GB ...]
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return planner_cli.main(argv[1:])
     if argv[:2] == ["data", "check"]:
         return check_cli.main(argv[2:])
-    if argv[:2] == ["template", "render"]:
-        return template_cli.main(argv[2:])
+    if argv[:2] in (["template", "render"], ["template", "cost"]):
+        return template_cli.main(argv[2:], argv[1])
 
     dry_run = "--dry-run" in argv
     argv = [arg for arg in argv if arg != "--dry-run"]

@@ -4,6 +4,11 @@
 
 Prints the rendered string, its token count, the control tokens in it with their ids, and the fraction of tokens
 the assistant mask trains on. `python -m posttrain.template_cli ...` runs the same thing.
+
+    posttrain template cost --template <jinja> --tokenizer <dir> --config <config.json> --turns 10 --thinking-tokens 2000
+
+Prints, per turn of a chat whose replies think, the context tokens and KV-cache bytes with earlier think blocks
+dropped and kept (`posttrain.chat.thinking_cost`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from pathlib import Path
 import jinja2
 
 from posttrain.chat.render import MaskError, load_template, render_chat, tokenize_with_assistant_mask
+from posttrain.chat.thinking_cost import render_cost, thinking_cost
 from posttrain.data.tiny_world import build_tiny_tokenizer
+from posttrain.planner.config import load_config, parse_arch
+from posttrain.planner.memory import kv_report
 
 EXAMPLE_MESSAGES = [
     {"role": "system", "content": "You are a careful assistant. Answer with the final number only."},
@@ -105,13 +113,35 @@ def render_report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def build_cost_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain template cost",
+                                     description="tokens and KV-cache bytes per turn, thinking dropped vs kept")
+    parser.add_argument("--template", default="tiny", help="tiny | a .jinja file | a tokenizer dir (default: tiny)")
+    parser.add_argument("--tokenizer", help="HF tokenizer dir (default: the tiny tokenizer)")
+    parser.add_argument("--config", required=True, help="the model's config.json, model dir or hub id (planner)")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--thinking-tokens", type=int, default=2000)
+    parser.add_argument("--kv-dtype", default="bf16")
+    return parser
+
+
+def cost_report(args: argparse.Namespace) -> str:
+    if args.turns < 1 or args.thinking_tokens < 1:
+        raise ValueError(f"--turns and --thinking-tokens must be positive, got {args.turns}, {args.thinking_tokens}")
+    kv = kv_report(parse_arch(load_config(args.config)), args.kv_dtype, [1], [1])
+    rows, has_knob = thinking_cost(load_template(args.template), _load_tokenizer(args.tokenizer), args.turns,
+                                   args.thinking_tokens, kv.bytes_per_token, kv.state_bytes_per_request)
+    state = f"; plus {kv.state_bytes_per_request:,} B of linear-attention state" if kv.state_bytes_per_request else ""
+    return render_cost(rows, has_knob, args.thinking_tokens, f"{kv.formula} = {kv.bytes_per_token:,} B{state}")
+
+
+def main(argv: list[str], command: str = "render") -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = (build_cost_parser() if command == "cost" else build_parser()).parse_args(argv)
     except SystemExit as exit_:  # argparse already printed usage; keep main() returning a code
         return int(exit_.code or 0)
     try:
-        print(render_report(args))
+        print(cost_report(args) if command == "cost" else render_report(args))
     except (OSError, ValueError, TypeError, KeyError, jinja2.TemplateError) as err:
         print(f"error: template {args.template}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
