@@ -14,6 +14,7 @@ from pathlib import Path
 from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
 from posttrain.config_schema import ServeCfg
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
+from posttrain.evaluation.provenance import base_model, render_base_model
 from posttrain.evaluation.suites import build_suite
 from posttrain.models.likelihood import render_shift
 from posttrain.models.loading import load_tokenizer
@@ -155,7 +156,8 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
         if manifest.get("stage") == "quantize":
             quantization[rows[-1]["checkpoint"]] = quantization_summary(manifest)
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
-            "quantization": quantization, "backend": serve_cfg.backend, "written_at": now()}
+            "quantization": quantization, "backend": serve_cfg.backend, "base_model": base_model(stage_dirs),
+            "written_at": now()}
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
     tmp = Path(run_dir) / ".scorecard.md.tmp"
@@ -208,7 +210,8 @@ def render_markdown(card: dict) -> str:
         if sampled:
             columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
     head = ["checkpoint"] + [h for h, _ in columns] + ["size MB", "TTFT ms", "decode tok/s"]
-    lines = [f"# Scorecard: run {card['run']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"# Scorecard: run {card['run']}", *render_base_model(card.get("base_model")), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["checkpoint"]]
         for _, key in columns:

@@ -141,6 +141,8 @@ def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     assert all(f"| {label} |" in markdown for label in ("base", "sft", "grpo", "dpo", "dpo-int8", "dpo-int4-gptq"))
     assert "| dpo-int4-gptq | int4 g128 gptq |" in markdown  # the quantization table
     assert "Likelihood shift of dpo against its reference: chosen log-prob/token" in markdown
+    assert "Base model: built by the pretrain stage (source tiny" in markdown  # the header names the weights
+    assert card["base_model"]["files"] and card["base_model"]["root_stage"] == "pretrain"
     header = ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | safe replies (n) "
               "| benign answered (n) | size MB | TTFT ms | decode tok/s |")
     assert header in result.stdout  # printed at the end of the run
