@@ -19,6 +19,7 @@ from posttrain.quant.formats import QuantizedWeight, dequantize_weight, quantize
 from posttrain.quant.awq import awq_quantize_model
 from posttrain.quant.gptq import GPTQ_FORMATS, HessianAccumulator, gptq_quantize
 from posttrain.quant.layer_calls import capture_layer_calls, layer_output
+from posttrain.quant.microscaling import check_finite
 
 log = logging.getLogger("posttrain")
 
@@ -141,6 +142,7 @@ def _check_targets_fit(targets_per_layer, fmt, group_size, symmetric) -> None:
         for name, weight in targets.items():
             try:
                 resolve_group_size(fmt, group_size, weight.shape[1])
+                check_finite(weight.detach(), fmt)  # a NaN would give NaN scales, or no FP4 code at all
             except ValueError as error:
                 raise ValueError(f"{name} weight {tuple(weight.shape)}: {error}") from None
 
@@ -149,7 +151,10 @@ def _rtn_model(targets_per_layer, fmt, group_size, symmetric) -> dict[str, Quant
     results = {}
     for targets in tqdm(targets_per_layer, desc=f"rtn {fmt}", unit="layer"):
         for name, weight in targets.items():
-            results[name] = quantize_weight(weight, fmt, group_size, symmetric)
+            try:
+                results[name] = quantize_weight(weight, fmt, group_size, symmetric)
+            except ValueError as error:  # e.g. an fp16 weight beyond 65504: say which module holds it
+                raise ValueError(f"{name} weight {tuple(weight.shape)}: {error}") from None
             _write_back(weight, results[name])
     return results
 

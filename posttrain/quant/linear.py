@@ -17,6 +17,10 @@
 "auto" takes "own" when it fits (weight-only: the activations are not rounded), then "aten", then "chunked"; nf4
 is always "bnb". "own_q8" changes the arithmetic (W4A8), so it is only used when asked for by name.
 
+Fused CPU kernels exist for int8, int4 and fp8 (E4M3) only. The floating-point formats fp16, fp8_e5m2, fp4, mxfp4
+and nvfp4 always take "chunked", the reference path: blocks of rows decoded by `formats.dequantize_weight` (exact in
+fp32), then F.linear. It keeps the canonical tensors, FP4 codes one a byte, so it holds twice the packed bytes.
+
 `swap_linears(model, quantized, act_dtype)` swaps named nn.Linear modules in place. `DenseLinear` / `BF16Linear`
 (with `swap_dense_linears`) are the unquantized fp32/bf16 counterparts: torch's fp32 and bf16 matrix-vector products
 stay below the read bandwidth on this AVX2 CPU (bf16 is compute-bound), the own kernels stream.
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.quant import cpu_kernels
-from posttrain.quant.formats import QuantizedWeight
+from posttrain.quant.formats import FLOAT_FORMATS, QuantizedWeight, dequantize_weight
 
 BACKENDS = ("auto", "own", "own_q8", "aten", "chunked", "bnb")
 ATEN_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
@@ -78,6 +82,11 @@ def _pick_backend(qw: QuantizedWeight, backend: str) -> str:
         return "bnb"
     if backend == "bnb":
         raise ValueError(f"the 'bnb' backend serves nf4 only, got fmt {qw.fmt!r}")
+    if qw.fmt in FLOAT_FORMATS:
+        if backend not in ("auto", "chunked"):
+            raise ValueError(f"{qw.fmt} has no fused kernel: it runs only on the 'chunked' (reference) backend, "
+                             f"got {backend!r}")
+        return "chunked"
     if backend in ("own", "own_q8") and not (cpu_kernels.available() and _own_kernel_fits(qw, backend)):
         raise RuntimeError(
             f"own kernel unusable for {qw.fmt} {qw.shape} (group_size {qw.group_size}) on backend {backend!r}: "
@@ -126,6 +135,11 @@ def _aten_int4_pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize_rows(qw_tensors: dict[str, torch.Tensor], fmt: str, group_size: int | None, rows: slice, dtype):
     """Rows `rows` of the float weight, [rows, K] in dtype, from the canonical tensors (for the chunked path)."""
+    if fmt in FLOAT_FORMATS:  # the rows as a QuantizedWeight of their own: scales are per row or per row's block
+        codes, scale = qw_tensors["qweight"][rows], qw_tensors.get("scale")
+        part = QuantizedWeight(fmt, codes, None if scale is None else scale[rows], group_size=group_size,
+                               shape=tuple(codes.shape), tensor_scale=qw_tensors.get("tensor_scale"))
+        return dequantize_weight(part, dtype)
     q = qw_tensors["qweight"][rows].float()
     scale = qw_tensors["scale"][rows].float()
     if fmt in ("int8", "fp8"):
@@ -155,6 +169,9 @@ def _backend_tensors(qw: QuantizedWeight, backend: str) -> dict[str, torch.Tenso
     if backend == "aten":
         packed, scales_and_zeros = _aten_int4_pack(qw)
         return {"packed": packed, "scales_and_zeros": scales_and_zeros}
+    if backend == "chunked" and qw.fmt in FLOAT_FORMATS:
+        optional = {"scale": qw.scale, "tensor_scale": qw.tensor_scale}
+        return {"qweight": qw.qweight} | {name: t for name, t in optional.items() if t is not None}
     if backend == "chunked":
         return {"qweight": qw.qweight, "scale": qw.scale} | ({} if zero is None else {"zero": zero})
     return {"qweight": qw.qweight}  # bnb: the packed nf4 bytes; the rest is in quant_state
@@ -190,7 +207,7 @@ class QuantLinear(nn.Module):
         return cls(qw.fmt, chosen, qw.shape, act_dtype, qw.group_size, tensors, bias, qw.quant_state)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        group = f", group_size={self.group_size}" if self.group_size else ""
         return (f"{self.in_features}->{self.out_features}, fmt={self.fmt}{group}, backend={self.backend}, "
                 f"act_dtype={self.act_dtype}, bias={self.bias is not None}")
 
@@ -232,9 +249,8 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _forward_chunked(self, x: torch.Tensor) -> torch.Tensor:
-        tensors = {"qweight": self.qweight, "scale": self.scale}
-        if hasattr(self, "zero"):
-            tensors["zero"] = self.zero
+        tensors = {name: self._buffers[name] for name in ("qweight", "scale", "zero", "tensor_scale")
+                   if name in self._buffers}
         rows_per_block = max(1, CHUNK_BYTES // (self.in_features * x.element_size()))
         y = x.new_empty(x.shape[0], self.out_features)
         for r0 in range(0, self.out_features, rows_per_block):

@@ -95,11 +95,19 @@ def mxfp4_dequantize(codes: torch.Tensor, scale_code: torch.Tensor) -> torch.Ten
     return (values * e8m0_decode(scale_code)[..., None]).reshape(codes.shape)
 
 
-def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (FP4 codes uint8 [out, in], E4M3 block scales [out, in / 16], fp32 tensor scale [])."""
+def nvfp4_quantize(w: torch.Tensor, tensor_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (FP4 codes uint8 [out, in], E4M3 block scales [out, in / 16], fp32 tensor scale []).
+
+    tensor_scale: None for amax / (6 * 448); a given one must be positive, and at least that for the block scales
+    not to saturate at 448."""
     blocks = _blocks(w, NVFP4_BLOCK, "nvfp4")
     amax = blocks.abs().amax()
-    tensor_scale = torch.where(amax > 0, amax / (FP4_MAX * FP8_E4M3_MAX), torch.ones_like(amax))
+    if tensor_scale is None:
+        tensor_scale = torch.where(amax > 0, amax / (FP4_MAX * FP8_E4M3_MAX), torch.ones_like(amax))
+    elif not (tensor_scale.numel() == 1 and float(tensor_scale) > 0):
+        raise ValueError(f"nvfp4 tensor_scale must be one positive value, got {tensor_scale}")
+    tensor_scale = tensor_scale.float().reshape(())
     block_scale = (blocks.abs().amax(dim=-1) / FP4_MAX / tensor_scale).clamp(max=FP8_E4M3_MAX)
     block_scale = block_scale.to(torch.float8_e4m3fn)
     divisor = block_scale.float() * tensor_scale
