@@ -1,4 +1,5 @@
-"""Write quantized weights as a Hugging Face model directory that transformers and vLLM load, and read it back.
+"""Write quantized weights as a Hugging Face model directory that transformers and vLLM load (all but the own layout
+below, which only this project reads).
 
 Layouts (one per format, chosen by `fmt`):
 
@@ -15,11 +16,27 @@ Layouts (one per format, chosen by `fmt`):
 - nf4: the bitsandbytes serialisation transformers writes for a `load_in_4bit` NF4 model: `weight` (packed
   uint8) plus `weight.absmax`, `weight.quant_map`, `weight.quant_state.bitsandbytes__nf4` (and the nested keys
   under double quantization), `quantization_config.quant_method == "bitsandbytes"`.
+- mxfp4 / nvfp4: compressed-tensors' `mxfp4-pack-quantized` / `nvfp4-pack-quantized` (its MXFP4A16 / NVFP4A16
+  weight-only schemes, what vLLM serves): `weight_packed` uint8 [out, in / 2] (FP4 codes two a byte, the even
+  column in the low nibble), `weight_scale` uint8 E8M0 codes [out, in / 32] (mxfp4) or float8_e4m3fn [out, in / 16]
+  (nvfp4), and for nvfp4 `weight_global_scale` fp32 [1], compressed-tensors' global scale: the reciprocal of the
+  canonical tensor scale, exact because that is a power of two (`formats`).
+- fp16: a plain float checkpoint. The quantized Linears' `weight` is float16, every other tensor is copied unchanged,
+  and config.json gets no `quantization_config` (a marker vLLM does not know would stop it loading the directory),
+  so transformers, vLLM and `serve.engine.load_engine` load it as a float model, widening fp16 exactly.
+  `quantize.json` (below) names the format and the fp16 modules; `export_read.load_quantized` reads them from it.
+- fp8_e5m2 and fp4: no layout in compressed-tensors 0.20.1 (its 8-bit float is E4M3 only, its FP4 schemes are
+  mxfp4 and nvfp4), so an own one: `quantization_config` = {"quant_method": "posttrain", "format", "group_size",
+  "ignore", "layout_version": 1}. fp8_e5m2: `weight` float8_e5m2 [out, in] and `weight_scale` fp32 [out, 1] (the
+  float-quantized names); fp4: `weight_packed` uint8 [out, in / 2] (packed as mxfp4's) and `weight_scale` fp32
+  [out, in / group]. Only this project reads it (`load_quantized`, `load_engine`): transformers warns of an unknown
+  quantization type and leaves the quantized Linears' weights randomly initialised; vLLM has no loader for it.
 
-Scales are written as fp32 whatever the model dtype, so that `export_read.load_quantized` returns exactly the exported
-scales (transformers and vLLM cast them to the dtype they run in). `lm_head` and every Linear that is not in
-`quantized` stay in float and are listed in `ignore` (`llm_int8_skip_modules` for nf4). vLLM fuses q/k/v and
-gate/up projections: it needs those siblings all quantized or all ignored.
+Scales are written as fp32 whatever the model dtype (those of mxfp4 and nvfp4 in their own formats, E8M0 and E4M3), so
+that `export_read.load_quantized` returns exactly the exported scales (transformers and vLLM cast them to the dtype
+they run in). `lm_head` and every Linear that is not in `quantized` stay in float and are listed in `ignore`
+(`llm_int8_skip_modules` for nf4). vLLM fuses q/k/v and gate/up projections: it needs those siblings all quantized
+or all ignored.
 
 Loading the export with transformers on CPU (checked by tests/unit/test_quant_export.py):
 
@@ -29,6 +46,11 @@ Loading the export with transformers on CPU (checked by tests/unit/test_quant_ex
     AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
                                          quantization_config=CompressedTensorsConfig(dequantize=True))
         # dequantizes at load time instead (`run_compressed=False` is the deprecated spelling of this).
+    AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                         quantization_config=CompressedTensorsConfig(dequantize=True))
+        # mxfp4 / nvfp4: dequantized at load time, to bf16 (exact: an FP4 value times a power of two or an
+        # E4M3 scale times the power-of-two tensor scale has at most 6 significant bits). Without dequantize=True
+        # the first forward pass of an fp32 model fails: the library decompresses these to bf16 weights only.
     AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
         # nf4: bitsandbytes Linear4bit modules (double quantization too), dequantized in each matmul (slow on CPU).
     Asymmetric int4 needs `dequantize=True`: with compressed-tensors 0.20.1 the default path fails with a
@@ -49,7 +71,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from posttrain.artifacts import weight_files
-from posttrain.quant.formats import FORMATS, QuantizedWeight
+from posttrain.quant import export_fp
+from posttrain.quant.formats import FLOAT_FORMATS, FORMATS, PER_CHANNEL_FORMATS, QuantizedWeight
 
 INDEX_NAME = "model.safetensors.index.json"
 PROVENANCE_NAME = "quantize.json"
@@ -99,6 +122,12 @@ def export_quantized(
         _copy_side_files(src_dir, tmp_dir)
         if fmt == "nf4":
             _write_bnb_config(src_dir, tmp_dir, quantized, ignore)
+        elif fmt == "fp16":  # a plain float checkpoint: see the module docstring
+            shutil.copy2(src_dir / "config.json", tmp_dir / "config.json")
+        elif fmt in export_fp.OWN_LAYOUT_FORMATS:
+            config = json.loads((src_dir / "config.json").read_text())
+            config["quantization_config"] = export_fp.own_layout_config(fmt, group_size, ignore)
+            (tmp_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
             _write_compressed_tensors_config(src_dir, tmp_dir, fmt, group_size, symmetric, ignore)
         provenance = {"format": fmt, "method": method, "group_size": group_size, "symmetric": symmetric,
@@ -136,9 +165,10 @@ def _checkpoint_shapes(shards: list[Path]) -> dict[str, tuple[int, ...]]:
 
 def _common_group_size(quantized: dict[str, QuantizedWeight], fmt: str, group_size: int | None) -> int | None:
     """The one group size of the export: `group_size` if given, else the weights' (which must all agree)."""
-    if fmt in ("int8", "fp8"):
+    if fmt in PER_CHANNEL_FORMATS or fmt == "fp16":
         if group_size is not None:
-            raise ValueError(f"{fmt} is per output channel: group_size must be None, got {group_size}")
+            raise ValueError(f"{fmt} has no groups (per output channel or no scale): group_size must be None, "
+                             f"got {group_size}")
         return None
     if group_size is not None:
         return group_size
@@ -162,6 +192,9 @@ def _check_quantized_weight(name: str, qw: QuantizedWeight, shapes: dict, fmt: s
     out_features, in_features = shapes[key]
     if tuple(qw.shape) != (out_features, in_features):
         raise ValueError(f"{name!r}: quantized shape {tuple(qw.shape)} != checkpoint {key} {shapes[key]}")
+    if fmt in FLOAT_FORMATS:
+        export_fp.check_float_weight(name, qw, group_size)
+        return
     if fmt == "nf4":
         state = qw.quant_state
         if state is None or state.quant_type != "nf4" or tuple(state.shape) != tuple(qw.shape):
@@ -238,6 +271,8 @@ def _serialized_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     if qw.fmt == "nf4":
         state = {f"weight.{key}": value for key, value in qw.quant_state.as_dict(packed=True).items()}
         return {"weight": qw.qweight.contiguous(), **state}
+    if qw.fmt in FLOAT_FORMATS:
+        return export_fp.float_tensors(qw)
     scale = qw.scale.float().reshape(out_features, -1).contiguous()  # channel: [out, 1]; group: [out, n_groups]
     if qw.fmt == "fp8":
         return {"weight": qw.qweight.contiguous(), "weight_scale": scale}
@@ -271,6 +306,12 @@ def _compressed_tensors_scheme(fmt: str, group_size: int | None, symmetric: bool
     if fmt == "fp8":  # weight-only: no input_activations, so activations stay in float
         weights = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
         return QuantizationScheme(targets=["Linear"], weights=weights, format=CompressionFormat.float_quantized)
+    if fmt in export_fp.COMPRESSED_TENSORS_FP4:  # the library's weight-only presets
+        from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
+
+        preset, layout = ((MXFP4A16, CompressionFormat.mxfp4_pack_quantized) if fmt == "mxfp4"
+                          else (NVFP4A16, CompressionFormat.nvfp4_pack_quantized))
+        return QuantizationScheme(targets=["Linear"], **preset, format=layout)
     if fmt == "int8":
         weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
     else:

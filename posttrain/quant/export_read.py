@@ -1,5 +1,6 @@
-"""Read an export of posttrain.quant.export back: the compressed-tensors layout (int8, int4, fp8) and
-bitsandbytes NF4, into canonical QuantizedWeights (what the engine loads), plus the checkpoint's float tensors."""
+"""Read an export of posttrain.quant.export back: the compressed-tensors layouts (int8, int4, fp8, mxfp4, nvfp4),
+bitsandbytes NF4, the own layout (fp8_e5m2, fp4) and fp16 checkpoints, into canonical QuantizedWeights (what the
+engine loads), plus the checkpoint's float tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from safetensors import safe_open
 
 from posttrain.artifacts import weight_files
-from posttrain.quant.export import INT4_OFFSET, source_shards
+from posttrain.quant import export_fp
+from posttrain.quant.export import INT4_OFFSET, PROVENANCE_NAME, source_shards
+from posttrain.quant.export_fp import pop_module
 from posttrain.quant.formats import QuantizedWeight
 
 
@@ -25,19 +28,27 @@ def load_quantized(model_dir: str | Path) -> tuple[object, dict[str, QuantizedWe
 
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
-    if raw is None:
-        raise ValueError(f"{model_dir / 'config.json'} has no quantization_config: not a quantized export")
+    provenance_path = model_dir / PROVENANCE_NAME
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
+    if raw is None and provenance.get("format") != "fp16":
+        raise ValueError(f"{model_dir / 'config.json'} has no quantization_config and {provenance_path} names no "
+                         f"fp16 export: not a quantized export")
     tensors = {}
     for shard in source_shards(model_dir):
         with safe_open(shard, framework="pt") as f:
             tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    method = raw.get("quant_method")
-    if method == "compressed-tensors":
+    method = None if raw is None else raw.get("quant_method")
+    if raw is None:  # fp16: a float checkpoint whose fp16 Linears the provenance file names
+        quantized = export_fp.read_fp16(provenance.get("quantized_modules", []), tensors)
+    elif method == "compressed-tensors":
         quantized = _read_compressed_tensors(raw, tensors)
     elif method == "bitsandbytes":
         quantized = _read_bnb_nf4(tensors)
+    elif method == export_fp.OWN_QUANT_METHOD:
+        quantized = export_fp.read_own_layout(raw, tensors)
     else:
-        raise ValueError(f"{model_dir}: quant_method {method!r} is neither 'compressed-tensors' nor 'bitsandbytes'")
+        raise ValueError(f"{model_dir}: quant_method {method!r} is none of 'compressed-tensors', 'bitsandbytes', "
+                         f"{export_fp.OWN_QUANT_METHOD!r}")
     return AutoConfig.from_pretrained(model_dir), quantized, tensors
 
 
@@ -51,21 +62,15 @@ def _canonical_format(weights) -> str:
     kind = (weights.type, weights.num_bits, weights.strategy)
     if kind == ("float", 8, "channel"):
         return "fp8"
+    if kind == ("float", 4, "group") and weights.group_size == 32:
+        return "mxfp4"
+    if kind == ("float", 4, "tensor_group") and weights.group_size == 16:
+        return "nvfp4"
     if kind == ("int", 8, "channel") and weights.symmetric:
         return "int8"
     if kind == ("int", 4, "group"):
         return "int4"
     raise ValueError(f"compressed-tensors weight scheme (type, bits, strategy) = {kind} has no canonical format")
-
-
-def _pop_module(tensors: dict[str, torch.Tensor], module: str, required: tuple[str, ...]) -> dict:
-    """Remove module `module`'s tensors from `tensors` -> {local name: tensor}; raise naming a missing one."""
-    prefix = f"{module}."
-    local = {key[len(prefix):]: tensors.pop(key) for key in [k for k in tensors if k.startswith(prefix)]}
-    missing = [f"{prefix}{name}" for name in required if name not in local]
-    if missing:
-        raise KeyError(f"quantized module {module!r} lacks {missing} in the checkpoint")
-    return local
 
 
 def _read_compressed_tensors(raw: dict, tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
@@ -81,13 +86,18 @@ def _read_compressed_tensors(raw: dict, tensors: dict[str, torch.Tensor]) -> dic
     quantized = {}
     for module in modules:
         if fmt == "fp8":
-            local = _pop_module(tensors, module, ("weight", "weight_scale"))
+            local = pop_module(tensors, module, ("weight", "weight_scale"))
             codes = local["weight"]  # float8_e4m3fn [out, in]
             quantized[module] = QuantizedWeight("fp8", codes, local["weight_scale"].float().reshape(-1),
                                                 shape=tuple(codes.shape))
             continue
+        if fmt in export_fp.COMPRESSED_TENSORS_FP4:
+            required = ("weight_packed", "weight_scale") + (("weight_global_scale",) if fmt == "nvfp4" else ())
+            quantized[module] = export_fp.read_compressed_tensors_fp4(fmt, module, pop_module(tensors, module,
+                                                                                               required))
+            continue
         required = ("weight_packed", "weight_scale", "weight_shape")
-        local = _pop_module(tensors, module, required + (() if weights.symmetric else ("weight_zero_point",)))
+        local = pop_module(tensors, module, required + (() if weights.symmetric else ("weight_zero_point",)))
         shape = tuple(int(v) for v in local["weight_shape"].tolist())
         codes = unpack_from_int32(local["weight_packed"], weights.num_bits, torch.Size(shape))  # int8 [out, in]
         scale = local["weight_scale"].float()
@@ -110,7 +120,7 @@ def _read_bnb_nf4(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight
     quantized = {}
     for module in modules:
         packed = tensors.pop(f"{module}.weight")
-        local = _pop_module(tensors, f"{module}.weight", ("absmax", "quant_map"))
+        local = pop_module(tensors, f"{module}.weight", ("absmax", "quant_map"))
         state = bnb_functional.QuantState.from_dict(local, device=torch.device("cpu"))
         if state.quant_type != "nf4":
             raise ValueError(f"{module!r}: bitsandbytes quant_type {state.quant_type!r}, expected 'nf4'")

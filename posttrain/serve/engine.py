@@ -340,8 +340,9 @@ def model_from_checkpoint(config, tensors: dict, dtype: torch.dtype) -> Transfor
 def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: int | None = None,
                 quant_backend: str = "auto", kv_dtype: str | None = None) -> Engine:
     """An engine for a model directory: a pipeline artifact's model/ or any HF directory of a supported family,
-    float or quantized (the compressed-tensors / bitsandbytes exports of the quantize stage), whose quantized
-    linears become fused dequant-matmul modules (`posttrain.quant.linear`)."""
+    float or quantized (the quantize stage's exports, `quant.export`: compressed-tensors, bitsandbytes or the own
+    layout; an fp16 export is a float directory), whose quantized linears become dequant-matmul modules
+    (`posttrain.quant.linear`: fused kernels for int8 / int4 / fp8, a reference path for the other float formats)."""
     import json
     from pathlib import Path
 

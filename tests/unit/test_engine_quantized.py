@@ -75,6 +75,33 @@ def test_exported_checkpoint_gives_transformers_logits_in_our_engine(float_dir, 
     assert greedy_matches(engine, reference, IDS)
 
 
+@pytest.mark.parametrize("fmt,group", [("fp8_e5m2", None), ("fp4", 32), ("mxfp4", None), ("nvfp4", None),
+                                       ("fp16", None)])
+def test_float_format_export_in_our_engine_matches_the_dequantized_float_model(float_dir, tmp_path, fmt, group):
+    """No fused kernel: the quantized linears run the reference path ("chunked"); fp16 loads as a float model."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.quant.calibrate import quantize_model
+    from posttrain.quant.export import export_quantized
+    from posttrain.quant.linear import QuantLinear
+
+    dequantized = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    quantized = quantize_model(dequantized, "rtn", fmt, group)  # the model now holds the dequantized weights
+    engine = load_engine(export_quantized(float_dir, quantized, tmp_path / "q", fmt, group_size=group), max_batch=2,
+                         max_len=64)
+    swapped = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == 14 and len(swapped) == (0 if fmt == "fp16" else 14)  # chunked modules are not fused
+    assert all(m.fmt == fmt and m.backend == "chunked" for m in swapped)
+    engine.model.setup_cache(2, 64)
+    with torch.no_grad():
+        ref = dequantized(IDS).logits
+        ours = engine.model(IDS, torch.arange(24).expand(2, 24), slice(0, 2), 24)
+        unquantized = dequantized.__class__.from_pretrained(float_dir, dtype=torch.float32)(IDS).logits
+    assert (ours - ref).abs().max().item() < 1e-5
+    assert (unquantized - ref).abs().max().item() > (1e-5 if fmt == "fp16" else 1e-3)
+    assert greedy_matches(engine, dequantized, IDS)
+
+
 @isolated  # bitsandbytes' native CPU kernels: a crash fails this test only
 def test_exported_nf4_checkpoint_in_our_engine_and_in_transformers(float_dir, tmp_path):
     """Ours and transformers' Linear4bit, each against the float model holding the same dequantized NF4 weights."""
