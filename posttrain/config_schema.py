@@ -125,9 +125,9 @@ class DpoCfg(StageCfg):
 
 @dataclass
 class QuantVariantCfg:
-    fmt: str = "int4"  # int8 | int4 | fp8 | nf4
-    method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows)
-    group_size: int | None = 128  # int4 / nf4 only; null for int8 and fp8 (one scale per output channel)
+    fmt: str = "int4"  # int8 | int4 | fp8 | nf4 | fp16 | fp8_e5m2 | fp4 | mxfp4 | nvfp4 (quant.formats)
+    method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows; int4/int8)
+    group_size: int | None = 128  # int4 / nf4 / fp4 only; the others ignore it (per channel, no scale, fixed blocks)
     symmetric: bool = True  # int4: false stores an integer zero point per group
 
 
@@ -284,4 +284,5 @@ OPTION_VALUES = {
 OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
 OPTION_VALUES["serve.kv_dtype"] = ("auto", "float32", "bfloat16")
 OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
-QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4"), "method": ("rtn", "gptq", "awq")}
+QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4", "fp16", "fp8_e5m2", "fp4", "mxfp4", "nvfp4"),
+                       "method": ("rtn", "gptq", "awq")}

@@ -1,10 +1,12 @@
-"""Quantize stage: parent model -> int8 / int4 / FP8 / NF4 weights, exported in a layout transformers and vLLM load.
+"""Quantize stage: parent model -> int8 / int4 / FP8 (E4M3, E5M2) / NF4 / FP16 / FP4 / MXFP4 / NVFP4 weights, exported
+in a layout transformers and vLLM load (fp8_e5m2 and fp4 in an own layout only this project reads: quant.export).
 
 One variant per stage (`quantize:<name>` in a pipeline): round-to-nearest, GPTQ or AWQ, the latter two calibrated
 on the model's own SFT rows rendered through its chat template. The manifest reports what the format costs:
 size on disk, bytes per parameter with scales, each layer's error (relative, and as a fraction of the weights'
 spread), held-out perplexity against the parent, and the round-to-nearest error of every other format on the
-same weights, so one artifact answers "what would int4 g32 or fp8 have cost".
+same weights, so one artifact answers "what would int4 g32 or fp8 have cost". GPTQ and AWQ calibrate int4 / int8
+codes; every other format is round-to-nearest only.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from posttrain.models.loading import load_tokenizer, model_location
 from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
 from posttrain.quant.export import export_quantized
 from posttrain.quant.export_read import size_on_disk
-from posttrain.quant.formats import bytes_per_param, quantize_weight, weight_error
+from posttrain.quant.formats import GROUPED_FORMATS, bytes_per_param, quantize_weight, resolve_group_size, weight_error
 from posttrain.registry import checkpoint_label
 from posttrain.training import StageRun
 
@@ -31,11 +33,13 @@ log = logging.getLogger("posttrain")
 
 # The formats the error table compares on the parent's weights (round to nearest, no data needed).
 COMPARED_FORMATS = [("int8", None, True), ("int4", 32, True), ("int4", 64, True), ("int4", 128, True),
-                    ("int4", 128, False), ("fp8", None, True), ("nf4", 64, True)]
+                    ("int4", 128, False), ("fp8", None, True), ("nf4", 64, True), ("fp16", None, True),
+                    ("fp8_e5m2", None, True), ("fp4", 32, True), ("mxfp4", None, True), ("nvfp4", None, True)]
 
 
 def format_label(fmt: str, group_size: int | None, symmetric: bool) -> str:
-    label = fmt if group_size is None or fmt in ("int8", "fp8") else f"{fmt} g{group_size}"
+    """"int4 g128", "int4 g128 asym", "fp4 g32", "nf4 g64"; formats without a choice of group are just named."""
+    label = f"{fmt} g{group_size}" if group_size is not None and fmt in GROUPED_FORMATS else fmt
     return label if symmetric or fmt != "int4" else label + " asym"
 
 
@@ -82,8 +86,8 @@ def format_error_table(originals: dict) -> dict[str, dict]:
     table = {}
     total = sum(w.numel() for w in originals.values())
     for fmt, group, symmetric in COMPARED_FORMATS:
-        if group and any(w.shape[1] % group for w in originals.values()):
-            continue
+        if not all(_fits(fmt, group, w.shape[1]) for w in originals.values()):
+            continue  # e.g. int4 g128, mxfp4 or nvfp4 on a model whose widths its groups do not divide
         rel = spread = nbytes = 0.0
         for w in originals.values():
             q = quantize_weight(w, fmt, group_size=group, symmetric=symmetric)
@@ -95,6 +99,24 @@ def format_error_table(originals: dict) -> dict[str, dict]:
     return table
 
 
+def variant_settings(name: str, variant) -> tuple[str, str, bool, int | None]:
+    """(fmt, method, symmetric, group_size) of quantize variant `name`; group_size is None unless the format has a
+    choice of group (mxfp4 and nvfp4 have fixed blocks). GPTQ and AWQ calibrate int4 / int8 codes only."""
+    fmt, method, symmetric = variant["fmt"], variant["method"], variant["symmetric"]
+    if method != "rtn" and fmt not in ("int4", "int8"):
+        raise ValueError(f"quantize.variants.{name}: method {method} calibrates int4 / int8 codes; {fmt} is "
+                         f"round-to-nearest only (method: rtn)")
+    return fmt, method, symmetric, variant["group_size"] if fmt in GROUPED_FORMATS else None
+
+
+def _fits(fmt: str, group_size: int | None, in_features: int) -> bool:
+    try:
+        resolve_group_size(fmt, group_size, in_features)
+    except ValueError:
+        return False
+    return True
+
+
 def main(cfg, run: StageRun) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,11 +125,7 @@ def main(cfg, run: StageRun) -> dict:
     training.begin(run)
     block = run.config["quantize"]
     name = block["variant"]
-    variant = block["variants"][name]
-    fmt, method, symmetric = variant["fmt"], variant["method"], variant["symmetric"]
-    group = variant["group_size"] if fmt in ("int4", "nf4") else None
-    if method != "rtn" and fmt not in ("int4", "int8"):
-        raise ValueError(f"quantize.variants.{name}: method {method} calibrates int4 / int8 codes; {fmt} uses rtn")
+    fmt, method, symmetric, group = variant_settings(name, block["variants"][name])
 
     # --- model and data ----------------------------------------------------------------------------------------
     if run.parent is None:
