@@ -100,12 +100,33 @@ def is_copy_of(target: Path, gguf_path: Path) -> bool:
     return source.get("bytes") == gguf_path.stat().st_size
 
 
+def load_gguf_model(gguf_path: Path, dtype):
+    """transformers' `gguf_file=` loader, dequantizing to `dtype`, with the head size the file states.
+
+    transformers 5.24 maps no GGUF key to a Qwen3 config's head_dim, so a Qwen3 file whose head size is not
+    Qwen3Config's default of 128 (the tiny world's is 64) would be built with the wrong attention shapes; the
+    file's `<arch>.attention.key_length` says the real one.
+    """
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gguf_path = Path(gguf_path)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    fields = gguf.GGUFReader(gguf_path).fields
+    arch = fields["general.architecture"].contents()
+    key_length = fields.get(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=config,
+                                                dtype=dtype)
+
+
 def save_dequantized(gguf_path: Path, out_dir: Path) -> None:
     """Model (dequantized to float32) and tokenizer (with the chat template GGUF metadata carries) into out_dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = load_gguf_model(gguf_path, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # The weights are dequantized already; transformers refuses to save a model still marked as GGUF-quantized.
     model.hf_quantizer = None
