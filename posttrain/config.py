@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from posttrain.config_fields import describe, fits, lora_fields, trl_field_types, trl_fields
-from posttrain.config_schema import OPTION_VALUES, QUANT_OPTION_VALUES, TRAINER_CLASSES, RootCfg
+from posttrain.config_schema import GGUF_TYPES, OPTION_VALUES, QUANT_OPTION_VALUES, TRAINER_CLASSES, RootCfg
 from posttrain.registry import parse
 
 RECIPES_DIR = Path(os.environ.get("POSTTRAIN_RECIPES", Path(__file__).resolve().parents[1] / "recipes"))
@@ -153,7 +153,8 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
             where = key_source(key, choices, overrides)
             raise RecipeError(f"recipe key '{key}' in {where} is '{value}'; valid values: {', '.join(valid)}")
     for name, variant in cfg.quantize.variants.items():
-        for option, valid in QUANT_OPTION_VALUES.items():
+        options = {**QUANT_OPTION_VALUES, **({"gguf_type": GGUF_TYPES} if variant["fmt"] == "gguf" else {})}
+        for option, valid in options.items():
             if variant[option] not in valid:
                 key = f"quantize.variants.{name}.{option}"
                 raise RecipeError(f"recipe key '{key}' in {key_source(key, choices, overrides)} is "

@@ -125,10 +125,13 @@ class DpoCfg(StageCfg):
 
 @dataclass
 class QuantVariantCfg:
-    fmt: str = "int4"  # int8 | int4 | fp8 | nf4 | fp16 | fp8_e5m2 | fp4 | mxfp4 | nvfp4 (quant.formats)
+    fmt: str = "int4"  # int8 | int4 | fp8 | nf4 | fp16 | fp8_e5m2 | fp4 | mxfp4 | nvfp4 (quant.formats) | gguf
     method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows; int4/int8)
     group_size: int | None = 128  # int4 / nf4 / fp4 only; the others ignore it (per channel, no scale, fixed blocks)
     symmetric: bool = True  # int4: false stores an integer zero point per group
+    # fmt gguf: one .gguf file for llama.cpp in this mix of its block types (quant.gguf_export.GGUF_FORMATS):
+    # q8_0 | q4_0 | q4_1 | q4_k_m | f16 | f32
+    gguf_type: str | None = None
 
 
 @dataclass
@@ -194,7 +197,9 @@ class ServeCfg:
     # eval's exactness tests rely on) | bfloat16 (half the cache) | float32. The cache grows in blocks of 256
     # positions per row as requests need them, up to max_batch x max_len
     kv_dtype: str = "auto"
-    backend: str = "posttrain"  # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines)
+    # posttrain (our engine, any machine) | vllm (`vllm serve`, GPU machines) | llamacpp (llama.cpp's server on
+    # GGUF checkpoints; eval serves the run's other checkpoints through ours)
+    backend: str = "posttrain"
     served_model_name: str | None = None  # default: the artifact's label (dpo-int8), else the directory's name
     quant_backend: str = "auto"  # the engine's quantized matmul: auto | own | aten | ...
     # torch threads of the engine process; 0: every core but one, which the HTTP front end keeps (on 2 cores a
@@ -281,8 +286,9 @@ OPTION_VALUES = {
                         "preference": ("safer", "better", "safe_vs_unsafe"),
                         "on_bad_row": ("error", "drop")}.items()
 }
-OPTION_VALUES["serve.backend"] = ("posttrain", "vllm")
+OPTION_VALUES["serve.backend"] = ("posttrain", "vllm", "llamacpp")
 OPTION_VALUES["serve.kv_dtype"] = ("auto", "float32", "bfloat16")
 OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
-QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4", "fp16", "fp8_e5m2", "fp4", "mxfp4", "nvfp4"),
+QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4", "fp16", "fp8_e5m2", "fp4", "mxfp4", "nvfp4", "gguf"),
                        "method": ("rtn", "gptq", "awq")}
+GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k_m", "f16", "f32")  # quant.gguf_export.GGUF_FORMATS, checked in config

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from posttrain.models.loading import load_tokenizer, torch_dtype
+from posttrain.models.loading import load_gguf_model, load_tokenizer, torch_dtype
 from posttrain.quant.export_read import load_quantized
+from posttrain.quant.gguf_export import gguf_file
 from posttrain.quant.linear import swap_linears
 from posttrain.serve.model import ModelArgs, Transformer, rope_inv_freq
 
@@ -359,6 +360,8 @@ def load_engine(location, dtype: str = "float32", max_batch: int = 16, max_len: 
         swap_linears(model, quantized, torch_dtype(dtype), backend=quant_backend)
         model.fuse_projections()  # q/k/v and gate/up each one kernel call where the layouts allow
         model.eval()
+    elif gguf_file(location) is not None:  # a GGUF variant's model/: its weights, dequantized
+        model = model_from_hf(load_gguf_model(gguf_file(location), torch_dtype(dtype)))
     else:
         model = model_from_hf(AutoModelForCausalLM.from_pretrained(str(location), dtype=torch_dtype(dtype)))
     return Engine(model, load_tokenizer(location), max_batch=max_batch, max_len=max_len,

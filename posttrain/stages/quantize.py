@@ -7,6 +7,9 @@ size on disk, bytes per parameter with scales, each layer's error (relative, and
 spread), held-out perplexity against the parent, and the round-to-nearest error of every other format on the
 same weights, so one artifact answers "what would int4 g32 or fp8 have cost". GPTQ and AWQ calibrate int4 / int8
 codes; every other format is round-to-nearest only.
+
+A `fmt: gguf` variant (`main_gguf`) writes one `model.gguf` for llama.cpp instead, in the mix of block types
+llama-quantize gives its `gguf_type` (q8_0, q4_0, q4_1, q4_k_m), with the same report.
 """
 
 from __future__ import annotations
@@ -15,17 +18,19 @@ import logging
 import math
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from posttrain import training
 from posttrain.artifacts import read_manifest, sha256_json, write_manifest
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.data.tiny_world import sft_rows
-from posttrain.models.loading import load_tokenizer, model_location
+from posttrain.models.loading import load_gguf_model, load_tokenizer, model_location
 from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
 from posttrain.quant.export import export_quantized
 from posttrain.quant.export_read import size_on_disk
 from posttrain.quant.formats import GROUPED_FORMATS, bytes_per_param, quantize_weight, resolve_group_size, weight_error
+from posttrain.quant.gguf_export import GGUF_FORMATS, GGUF_NAME, export_gguf
 from posttrain.registry import checkpoint_label
 from posttrain.training import StageRun
 
@@ -125,6 +130,8 @@ def main(cfg, run: StageRun) -> dict:
     training.begin(run)
     block = run.config["quantize"]
     name = block["variant"]
+    if block["variants"][name]["fmt"] == "gguf":
+        return main_gguf(cfg, run, name, block["variants"][name])
     fmt, method, symmetric, group = variant_settings(name, block["variants"][name])
 
     # --- model and data ----------------------------------------------------------------------------------------
@@ -209,3 +216,85 @@ def read_parent_label(parent: Path) -> str:
 
     manifest = read_manifest(parent) or {}
     return manifest.get("label") or checkpoint_label(manifest.get("stage", parent.name))
+
+
+SIDE_FILES = ("config.json", "generation_config.json")
+
+
+def write_model_dir(location: Path, tokenizer, out_dir: Path, gguf_type: str) -> list[dict]:
+    """model.gguf plus the parent's config and tokenizer into a temporary sibling, renamed to `out_dir` when done."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        records = export_gguf(location, tmp / GGUF_NAME, gguf_type)
+        for name in SIDE_FILES:
+            if (Path(location) / name).exists():
+                shutil.copy2(Path(location) / name, tmp / name)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return records
+
+
+def main_gguf(cfg, run: StageRun, name: str, variant: dict) -> dict:
+    """A `fmt: gguf` variant: the parent's float weights -> model/model.gguf for llama.cpp (`gguf_type` picks
+    llama.cpp's mix of block types), beside the parent's config and tokenizer: our server renders prompts with
+    them and serves the file's weights dequantized, `serve.backend=llamacpp` hands the file to llama.cpp's server.
+    The manifest reports what the other variants report, read back through transformers' `gguf_file=` loader."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    block = run.config["quantize"]
+    gguf_type = variant.get("gguf_type")
+    if gguf_type not in GGUF_FORMATS:
+        raise ValueError(f"quantize.variants.{name}.gguf_type={gguf_type!r}: expected one of {sorted(GGUF_FORMATS)}")
+    if variant.get("method", "rtn") != "rtn":
+        raise ValueError(f"quantize.variants.{name}: GGUF block types are round-to-nearest here (method: rtn)")
+    if run.parent is None:
+        raise ValueError("the quantize stage needs a parent artifact (parent=<stage dir>)")
+    location = Path(model_location(cfg.model, run.parent))
+    tokenizer = load_tokenizer(location)
+    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
+    rows, record = load_rows(cfg.data)
+    held_out = held_out_rows(cfg.data, block["eval_rows"])
+    ids, masks, _ = tokenize_rows(held_out, tokenizer, "held-out", None, {})
+    held_out_ids = list(zip(ids, masks))
+    parent_ppl = perplexity(model, held_out_ids)
+    originals = {name: w.detach().clone() for i, layer in enumerate(decoder_layers(model))
+                 for name, w in quantization_targets(layer, f"model.layers.{i}").items()}
+    del model
+    log.info("quantize %s: GGUF %s from %s", name, gguf_type, location)
+
+    records = write_model_dir(location, tokenizer, run.model_dir, gguf_type)
+    quant_model = load_gguf_model(run.model_dir / GGUF_NAME, torch.float32).eval()
+    quant_ppl = perplexity(quant_model, held_out_ids)
+
+    decoder = [r for r in records if r["name"].startswith("blk.") and "rel_error" in r]
+    n_params = sum(r["params"] for r in decoder)
+    size = (run.model_dir / GGUF_NAME).stat().st_size
+    parent_size = sum(p.stat().st_size for p in location.glob("*.safetensors"))
+    metrics = {
+        "variant": name, "fmt": "gguf", "gguf_type": gguf_type, "method": "rtn", "group_size": None,
+        "symmetric": None, "label": f"gguf {gguf_type}",
+        "size_bytes": size, "parent_size_bytes": parent_size,
+        "bytes_per_param": sum(r["bytes"] for r in decoder) / n_params,
+        "quantized_params": n_params,
+        "block_types": dict(Counter(r["type"] for r in records if "rel_error" in r)),
+        "perplexity": {"parent": parent_ppl, "quantized": quant_ppl, "change": quant_ppl / parent_ppl - 1,
+                       "held_out_rows": len(held_out_ids)},
+        "layer_errors": [{k: r[k] for k in ("name", "type", "rel_error", "of_spread", "max_abs")} for r in decoder],
+        "mean_of_spread": sum(r["of_spread"] * r["params"] for r in decoder) / n_params,
+        "format_errors": format_error_table(originals),
+        "calibration": None,
+    }
+    log.info("quantize %s: %.2f MB (parent %.2f MB), %.3f bytes/param, %s, held-out perplexity %.4f -> %.4f (%+.2f%%)",
+             name, size / 2**20, parent_size / 2**20, metrics["bytes_per_param"], metrics["block_types"],
+             parent_ppl, quant_ppl, 100 * metrics["perplexity"]["change"])
+    write_manifest(run.out_dir, stage="quantize", parent=run.parent, config=run.config, config_hash=run.config_hash,
+                   datasets=[dict(record, role="source"), held_out_record(held_out)], metrics=metrics,
+                   started_at=run.started_at,
+                   extra={"label": f"{read_parent_label(run.parent)}-{name}", "device": "cpu"})
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
+    return metrics
