@@ -1,7 +1,8 @@
 """Text production for eval suites through an OpenAI-compatible server, with the official `openai` client.
 
-The same code talks to `posttrain serve` and to `vllm serve`. Requests go out concurrently (the server batches
-them continuously); each suite prompt is one chat request, and a suite that samples asks for `n` choices.
+The same code talks to `posttrain serve`, `vllm serve` and llama.cpp's server (`llama_cpp.server`). Requests go
+out concurrently (the server batches them continuously); each suite prompt is one chat request, and a suite that
+samples asks for `n` choices (and for the missing ones one at a time, from a server that answers one).
 `latency_probe` times streamed requests one at a time, from the client's side: time to first token and decode
 tokens per second as a user of the endpoint sees them.
 
@@ -75,8 +76,14 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
                                                                 "n": samples, "seed": seed + 1000 * index}
             reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                          **kwargs)
-            bar.update(1)
             texts = [reply_text(c.message) for c in sorted(reply.choices, key=lambda c: c.index)]
+            # A server that ignores `n` (llama.cpp's answers one choice) gets the rest asked for one at a time.
+            for extra in range(len(texts), samples):
+                kwargs.update(n=1, seed=seed + 1000 * index + extra)
+                more = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                            **kwargs)
+                texts.append(reply_text(more.choices[0].message))
+            bar.update(1)
             return texts if samples else texts[0]
 
     try:
@@ -117,12 +124,14 @@ def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict],
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = 0  # content chunks: the token count when the server sends no usage (llama.cpp's sends none)
         for chunk in stream:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
             if not chunk.choices:
                 continue
             delta, now = chunk.choices[0].delta, time.perf_counter()
+            chunks += bool(delta.content)
             if first is None and (delta.content or (delta.model_extra or {}).get("reasoning_content")
                                   or delta.tool_calls):
                 first = now
@@ -132,6 +141,7 @@ def latency_probe(base_url: str, api_key: str, model: str, messages: list[dict],
             raise RuntimeError(f"{model}: the latency probe's streamed request ended without a finish reason")
         if first is None:  # only tokens that decode to no text (special tokens): the reply's first text is its end
             first = last
+        tokens = tokens or chunks
         ttfts.append(first - start)
         if progress is not None:
             progress.update(1)

@@ -18,6 +18,7 @@ from posttrain.evaluation.provenance import base_model, render_base_model
 from posttrain.evaluation.suites import build_suite
 from posttrain.models.likelihood import render_shift
 from posttrain.models.loading import load_tokenizer
+from posttrain.quant.gguf_export import gguf_file
 from posttrain.registry import checkpoint_label, is_generator
 from posttrain.serve.server import background_server
 
@@ -60,13 +61,15 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
         "artifact": str(stage_dir),
         "size_mb": round(sum(p.stat().st_size for p in weight_files(stage_dir / "model")) / 2**20, 2),
     }
+    backend = checkpoint_backend(serve_cfg.backend, stage_dir / "model")
+    row["backend"] = backend
     key = serve_cfg.api_key or secrets.token_hex(16)  # a fresh key per server: only this client talks to it
     # the recipe's serve options, on this checkpoint's weights: verified above, so the server does not hash them again
     recipe = {f.name: getattr(serve_cfg, f.name) for f in dataclasses.fields(ServeCfg) if hasattr(serve_cfg, f.name)}
     opts = ServeCfg(**{**recipe, "model": str(stage_dir / "model"), "port": 0, "api_key": key,
-                       "served_model_name": label})
+                       "served_model_name": label, "backend": backend})
     with background_server(opts) as server:
-        log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, serve_cfg.backend)
+        log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, backend)
         progress = CheckpointProgress(label, requests_of(suites, eval_cfg))
         ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency,
                    progress=progress)
@@ -99,6 +102,12 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
         finally:
             progress.close(score_summary(row, [s for s in suites if s.name in row]))
     return row
+
+
+def checkpoint_backend(backend: str, model_dir: Path) -> str:
+    """The server a checkpoint is scored through: llama.cpp serves GGUF files only, so with serve.backend=llamacpp
+    the run's other checkpoints go through our engine, and the scorecard shows both side by side."""
+    return "posttrain" if backend == "llamacpp" and gguf_file(model_dir) is None else backend
 
 
 def check_context(suites, model_dir: Path, eval_cfg, serve_cfg) -> None:
@@ -143,7 +152,7 @@ def build_suites(eval_cfg, seed: int) -> list:
 def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
     suites = build_suites(eval_cfg, seed)
     generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
-    if generators and serve_cfg.backend == "posttrain":
+    if generators and serve_cfg.backend != "vllm":
         check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
     rows, shifts, quantization = [], {}, {}
     for stage_dir in stage_dirs:
@@ -209,7 +218,9 @@ def render_markdown(card: dict) -> str:
         columns.append((f"{name} greedy (n)" if sampled else f"{name} (n)", s))
         if sampled:
             columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
+    servers = {row.get("backend", card.get("backend", "posttrain")) for row in rows}
     head = ["checkpoint"] + [h for h, _ in columns] + ["size MB", "TTFT ms", "decode tok/s"]
+    head += ["server"] if len(servers) > 1 else []
     lines = [f"# Scorecard: run {card['run']}", *render_base_model(card.get("base_model")), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -221,11 +232,12 @@ def render_markdown(card: dict) -> str:
         latency = row.get("latency") or {}
         cells.append(f"{latency['ttft_ms']:.1f}" if latency.get("ttft_ms") is not None else "n/a")
         cells.append(f"{latency['decode_tok_s']:.0f}" if latency.get("decode_tok_s") is not None else "n/a")
+        cells += [row.get("backend", "posttrain")] if len(servers) > 1 else []
         lines.append("| " + " | ".join(cells) + " |")
     probe = next((r["latency"] for r in rows if r.get("latency")), None)
     if probe:
-        backend = card.get("backend", "posttrain")
-        lines += ["", f"Every score above was measured through the OpenAI-compatible server ({backend} backend). "
+        backend = " and ".join(sorted(servers))
+        lines += ["", f"Every score above was measured through an OpenAI-compatible server ({backend} backend). "
                       f"TTFT and decode tok/s: medians over {probe['requests']} streamed greedy requests of "
                       f"{probe['max_tokens']} tokens sent one at a time, timed by the client."]
     for label, shift in card.get("likelihood_shift", {}).items():

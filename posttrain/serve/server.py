@@ -3,19 +3,22 @@
     posttrain serve runs/tiny/04-dpo                        our engine on 127.0.0.1:8000
     posttrain serve runs/tiny/05-quantize-int8 port=8001 api_key=secret max_batch=32
     posttrain serve runs/tiny/04-dpo backend=vllm           `vllm serve` on the same weights (GPU boxes)
+    posttrain serve runs/tiny/07-quantize-gguf-q4_k_m backend=llamacpp
+                                                            llama.cpp's server on the artifact's model.gguf
 
 Options are `key=value` (or `--key value`): host (127.0.0.1), port (8000; 0 picks a free one), api_key (none:
 requests need no key; also read from POSTTRAIN_API_KEY), dtype (float32 | bfloat16), max_batch (32 rows decoding
 together), max_len (2048 tokens of context, at most the model's), kv_dtype (auto: the weights' | float32 | bfloat16),
-backend (posttrain | vllm), served_model_name (default: the artifact's label, e.g. dpo-int8), quant_backend
+backend (posttrain | vllm | llamacpp), served_model_name (default: the artifact's label, e.g. dpo-int8), quant_backend
 (auto | own | aten | ...), threads (the engine process's torch threads; 0: all cores but one). The KV cache grows in blocks of 256 positions per row as requests need them, up to
 max_batch x max_len; the server logs its weights, cache and peak memory at start, beside the planner's estimate.
 
 Our server is two processes: the HTTP front end (this one) and the engine process (`posttrain.serve.core`), which
 holds the model and runs the scheduler. `background_server` runs the front end in a thread of the calling process
 (the evaluator uses it; the engine still gets a process of its own, so the evaluator's client shares no lock with
-it) or, for backend=vllm, `vllm serve` as a subprocess; either way the caller gets a base URL for the `openai`
-client.
+it) or, for backend=vllm, `vllm serve` as a subprocess, and for backend=llamacpp, llama-cpp-python's server
+(`python -m llama_cpp.server`, built by `make llamacpp`) on a GGUF file; either way the caller gets a base URL for
+the `openai` client. Our engine serves a GGUF artifact too, dequantized.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import fields
@@ -36,6 +40,7 @@ from pathlib import Path
 from posttrain.artifacts import read_manifest, verify_artifact
 from posttrain.config_schema import ServeCfg
 from posttrain.models.loading import check_model_reachable
+from posttrain.quant.gguf_export import GGUF_NAME, gguf_file
 from posttrain.registry import checkpoint_label
 
 log = logging.getLogger("posttrain")
@@ -84,8 +89,8 @@ def parse_options(argv: list[str]) -> ServeCfg:
     opts.api_key = opts.api_key or os.environ.get("POSTTRAIN_API_KEY") or None
     if not opts.model:
         raise ValueError("give the model to serve: an artifact directory, a model directory or a hub id")
-    if opts.backend not in ("posttrain", "vllm"):
-        raise ValueError(f"backend={opts.backend!r}: expected posttrain or vllm")
+    if opts.backend not in BACKENDS:
+        raise ValueError(f"backend={opts.backend!r}: expected one of {', '.join(BACKENDS)}")
     if opts.kv_dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"kv_dtype={opts.kv_dtype!r}: expected auto, float32 or bfloat16")
     if not 0 <= opts.port < 65536:
@@ -147,8 +152,8 @@ def free_socket(host: str, port: int) -> socket.socket:
 
 def serve(opts: ServeCfg) -> None:
     """Run until interrupted (the `posttrain serve` command)."""
-    if opts.backend == "vllm":
-        proc = subprocess.Popen(vllm_command(opts, opts.port or pick_port(opts.host))[0])
+    if opts.backend in SUBPROCESS_BACKENDS:
+        proc = subprocess.Popen(SUBPROCESS_BACKENDS[opts.backend](opts, opts.port or pick_port(opts.host))[0])
         sys.exit(proc.wait())
     # uvicorn loads only when a server starts in this process
     import uvicorn
@@ -182,6 +187,31 @@ def vllm_command(opts: ServeCfg, port: int) -> tuple[list[str], str]:
     return cmd, name
 
 
+def llamacpp_command(opts: ServeCfg, port: int) -> tuple[list[str], str]:
+    """(llama-cpp-python's OpenAI-compatible server on the artifact's GGUF file, under the same name; served name).
+    It renders prompts with the chat template the file carries and decodes one request at a time."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise RuntimeError("backend=llamacpp needs llama-cpp-python with its server extras: run `make llamacpp`")
+    weights, default_name = resolve_model(opts.model)
+    path = gguf_file(weights)
+    if path is None:
+        raise ValueError(f"backend=llamacpp serves a GGUF file, and {weights} has no {GGUF_NAME}: quantize the "
+                         "checkpoint with a GGUF variant (quantize:gguf-q4_k_m) or serve it with backend=posttrain")
+    name = opts.served_model_name or default_name
+    threads = opts.threads or max(1, (os.cpu_count() or 2) - 1)
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--model_alias", name,
+           "--host", opts.host, "--port", str(port), "--n_ctx", str(opts.max_len), "--n_threads", str(threads),
+           "--n_threads_batch", str(threads), "--verbose", "False"]
+    if opts.api_key:
+        cmd += ["--api_key", opts.api_key]
+    return cmd, name
+
+
+SUBPROCESS_BACKENDS = {"vllm": vllm_command, "llamacpp": llamacpp_command}
+BACKENDS = ("posttrain", *SUBPROCESS_BACKENDS)
+HEALTH_PATH = {"vllm": "/health", "llamacpp": "/v1/models"}
+
+
 @contextlib.contextmanager
 def no_load_bars():
     """transformers' `Loading weights` bar off while the block runs: the caller (the evaluator) reports progress
@@ -209,15 +239,19 @@ class BackgroundServer:
 
 @contextlib.contextmanager
 def background_server(opts: ServeCfg, startup_timeout: float = 600.0):
-    """Serve `opts.model` while the block runs: in a thread (our engine) or a subprocess (vLLM)."""
-    if opts.backend == "vllm":
+    """Serve `opts.model` while the block runs: in a thread (our engine) or a subprocess (vLLM, llama.cpp)."""
+    if opts.backend in SUBPROCESS_BACKENDS:
         port = opts.port or pick_port(opts.host)
-        command, name = vllm_command(opts, port)
-        proc = subprocess.Popen(command, start_new_session=True)
+        command, name = SUBPROCESS_BACKENDS[opts.backend](opts, port)
+        # llama.cpp's server logs a line per request: into a file, whose tail a failed start reports
+        log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{opts.backend}-", suffix=".log", delete=False) \
+            if opts.backend == "llamacpp" else None
+        proc = subprocess.Popen(command, start_new_session=True, stdout=log_file, stderr=log_file)
         server = BackgroundServer(f"http://{opts.host}:{port}/v1", name,
                                   lambda: (proc.terminate(), proc.wait(60)))
         try:
-            wait_healthy(f"http://{opts.host}:{port}/health", startup_timeout, proc)
+            wait_healthy(f"http://{opts.host}:{port}{HEALTH_PATH[opts.backend]}", startup_timeout, proc,
+                         opts.api_key, log_file.name if log_file else None)
             yield server
         finally:
             server.stop()
@@ -253,15 +287,19 @@ def background_server(opts: ServeCfg, startup_timeout: float = 600.0):
         stop()
 
 
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, api_key: str | None = None,
+                 log_path: str | None = None) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server process exited with {proc.returncode} before it was healthy")
+            tail = Path(log_path).read_text()[-2000:] if log_path else ""
+            raise RuntimeError(f"the server process exited with {proc.returncode} before it was healthy"
+                               + (f"; the end of its log {log_path}:\n{tail}" if tail else ""))
         try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as reply:
                 if reply.status == 200:
                     return
         except OSError:
