@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -128,7 +129,8 @@ def test_dpo_trains_on_grpo_against_it_and_reports_the_likelihood_shift(tiny_run
 def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     run_dir, result = tiny_run
     card = json.loads((run_dir / "scorecard.json").read_text())
-    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo", "dpo", "dpo-int8", "dpo-int4-gptq"]
+    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft", "grpo", "dpo", "dpo-int8", "dpo-int4-gptq",
+                                                       "dpo-gguf-q4_k_m"]
     assert set(card["likelihood_shift"]) == {"dpo"}
     for row in card["rows"]:
         assert 0.0 <= row["echo"] <= 1.0 and row["echo_n"] == 20 and row["size_mb"] > 0
@@ -222,7 +224,8 @@ def test_rerun_skips_finished_stages(tiny_run):
     before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in STAGES}
     result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci")
     assert result.returncode == 0, result.stderr[-3000:]
-    for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8", "quantize:int4-gptq"):
+    for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8", "quantize:int4-gptq",
+                  "quantize:gguf-q4_k_m"):
         assert f"{stage}: up to date" in result.stderr
     after = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in before}
     assert before == after
@@ -261,3 +264,59 @@ def test_planner_counts_every_generator_checkpoint_exactly(tiny_run):
         model_dir = run_dir / stage / "model"
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         check_against(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
+
+
+def test_gguf_copy_of_dpo_carries_its_template_and_loads_back(tiny_run):
+    """quantize:gguf-q4_k_m writes one GGUF file llama.cpp's Q4_K_M mix, with the chat template; transformers' loader
+    reads it back with held-out perplexity close to dpo's."""
+    import gguf
+
+    run_dir, _ = tiny_run
+    stage_dir = run_dir / "07-quantize-gguf-q4_k_m"
+    manifest = verify_artifact(stage_dir)
+    metrics = manifest["metrics"]
+    assert manifest["parent"]["manifest_sha256"] == manifest_sha256(run_dir / "04-dpo")
+    assert (metrics["fmt"], metrics["gguf_type"]) == ("gguf", "q4_k_m")
+    assert set(metrics["block_types"]) == {"Q4_K", "Q6_K"}  # the tiny model's rows of 256 and 768 fit Q4_K's blocks
+    assert metrics["size_bytes"] < 0.5 * metrics["parent_size_bytes"]
+    assert abs(metrics["perplexity"]["change"]) < 0.05 and 0 < metrics["mean_of_spread"] < 0.2
+    fields = gguf.GGUFReader(stage_dir / "model" / "model.gguf").fields
+    template = (stage_dir / "model" / "chat_template.jinja").read_text()
+    assert fields["tokenizer.chat_template"].contents() == template
+
+
+needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                    reason="needs llama-cpp-python: run `make llamacpp` (about 7 to 15 minutes)")
+
+
+@needs_llamacpp
+def test_llamacpp_replies_as_our_engine_on_the_gguf_weights(tiny_run):
+    from posttrain.data.tiny_world import eval_rows
+    from posttrain.serve.gguf_check import greedy_agreement
+
+    run_dir, _ = tiny_run
+    model_dir = run_dir / "07-quantize-gguf-q4_k_m" / "model"
+    prompts = [r["messages"] for r in eval_rows("arith", 5, 0) + eval_rows("echo", 5, 0)]
+    records = greedy_agreement(model_dir / "model.gguf", model_dir, prompts)
+    assert all(r["prompt_ids_equal"] for r in records)
+    assert sum(r["agree"] for r in records) >= 9, [(r["posttrain"], r["llamacpp"]) for r in records]
+
+
+@needs_llamacpp
+def test_eval_scores_the_gguf_copy_through_llamacpp_beside_dpo_through_ours(tiny_run):
+    """serve.backend=llamacpp: the GGUF checkpoint through llama.cpp's server, the others through ours (last in
+    this file: it rewrites the scorecard with these two rows)."""
+    run_dir, _ = tiny_run
+    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "serve.backend=llamacpp",
+                       "eval.checkpoints=[dpo,dpo-gguf-q4_k_m]", "eval.latency.requests=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.loads((run_dir / "scorecard.json").read_text())
+    rows = {r["checkpoint"]: r for r in card["rows"]}
+    assert (rows["dpo"]["backend"], rows["dpo-gguf-q4_k_m"]["backend"]) == ("posttrain", "llamacpp")
+    # llama.cpp's server takes no ignore_eos: a reply that ends after one token leaves no decode interval to time
+    assert rows["dpo"]["latency"]["decode_tok_s"] > 0
+    for row in rows.values():
+        assert row["latency"]["ttft_ms"] > 0
+        assert row["arith_samples"] > 1 and 0 <= row["arith_pass@1"] <= 1  # n choices: one request each on llama.cpp
+    assert abs(rows["dpo-gguf-q4_k_m"]["echo"] - rows["dpo"]["echo"]) <= 0.15
+    assert "| server |" in (run_dir / "scorecard.md").read_text()

@@ -14,7 +14,7 @@ from posttrain.config import RecipeError, compose
 def test_tiny_pipeline_composes_with_trl_field_names():
     cfg = compose(["pipeline=tiny"])
     assert list(cfg.pipeline.stages) == ["pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8",
-                                         "quantize:int4-gptq"]
+                                         "quantize:int4-gptq", "quantize:nvfp4", "quantize:gguf-q4_k_m"]
     for stage, class_name in config_mod.TRAINER_CLASSES.items():
         assert set(cfg[stage].trainer) <= set(config_mod.trl_fields(class_name)), stage
 

@@ -256,7 +256,8 @@ def test_one_process_stages_are_refused_under_several_processes(monkeypatch, tmp
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = compose(["pipeline=tiny-ci", f"run.root={tmp_path}", "run.name=x"])
-    with pytest.raises(RecipeError, match=r"quantize:int8, quantize:int4-gptq, eval run in one process, and this is "
+    with pytest.raises(RecipeError, match=r"quantize:int8, quantize:int4-gptq, quantize:gguf-q4_k_m, eval run in one "
+                                          r"process, and this is "
                                           r"one of 2"):
         run_pipeline(cfg)
     assert not (tmp_path / "x").exists()
