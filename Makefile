@@ -73,7 +73,7 @@ load: $(STAMP)
 	$(PY) scripts/load_test.py runs/$(RUN)/04-dpo --json runs/load_test.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --doctest-modules rewards tests
+	$(PY) -m pytest -q -ra --durations=20 --doctest-modules rewards tests
 
 # Decode tokens/s of the engine vs transformers' generate and vs the read-bandwidth ceiling, measured in one run
 # (about 50 minutes on 2 cores for both models), and llama.cpp on SmolLM2 beside ours once `make llamacpp` built it.

@@ -65,7 +65,7 @@ def reply_text(message) -> str:
 
 
 async def _chat_all(client, model: str, conversations, max_tokens: int, concurrency: int, samples: int,
-                    temperature: float, seed: int, desc: str, progress=None):
+                    temperature: float, seed: int, desc: str, progress=None, extra_body: dict | None = None):
     gate = asyncio.Semaphore(concurrency)
     bar = progress if progress is not None else tqdm(total=len(conversations), desc=desc, unit="prompt",
                                                      leave=False, disable=None)
@@ -74,6 +74,8 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
         async with gate:
             kwargs = {"temperature": 0.0} if not samples else {"temperature": temperature, "top_p": 1.0,
                                                                 "n": samples, "seed": seed + 1000 * index}
+            if extra_body:
+                kwargs["extra_body"] = extra_body
             reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                          **kwargs)
             texts = [reply_text(c.message) for c in sorted(reply.choices, key=lambda c: c.index)]
@@ -95,8 +97,8 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
 
 def chat_replies(base_url: str, api_key: str, model: str, conversations: list[list[dict]], max_tokens: int,
                  concurrency: int = 64, samples: int = 0, temperature: float = 1.0, seed: int = 0,
-                 desc: str = "eval", timeout: float = 600.0, progress: CheckpointProgress | None = None
-                 ) -> list[str] | list[list[str]]:
+                 desc: str = "eval", timeout: float = 600.0, progress: CheckpointProgress | None = None,
+                 extra_body: dict | None = None) -> list[str] | list[list[str]]:
     """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`. Each reply
     advances `progress` (else a bar of this call's own, shown on a terminal only)."""
     from openai import AsyncOpenAI
@@ -104,7 +106,7 @@ def chat_replies(base_url: str, api_key: str, model: str, conversations: list[li
     async def run():
         async with AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0) as client:
             return await _chat_all(client, model, conversations, max_tokens, concurrency, samples, temperature,
-                                   seed, desc, progress)
+                                   seed, desc, progress, extra_body)
 
     return asyncio.run(run())
 
