@@ -95,10 +95,6 @@ def tensor_type(name: str, shape: tuple[int, ...], fmt: str, n_layers: int, tied
 
 def encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     """Float32 rows -> the bytes (or float array) GGUFWriter stores for block type `qtype`."""
-    if qtype == Q.F32:
-        return data.astype(np.float32)
-    if qtype == Q.F16:
-        return data.astype(np.float16)
     if qtype in OWN_ENCODERS:
         return OWN_ENCODERS[qtype](data)
     return gguf.quants.quantize(data.astype(np.float32), qtype)

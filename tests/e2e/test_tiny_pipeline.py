@@ -9,6 +9,8 @@ import pytest
 from safetensors.torch import load_file
 
 from posttrain.artifacts import manifest_sha256, verify_artifact
+from posttrain.data.tiny_world import eval_rows
+from posttrain.serve.gguf_check import greedy_agreement
 from tests.helpers import posttrain
 
 pytestmark = pytest.mark.slow
@@ -291,9 +293,6 @@ needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is Non
 
 @needs_llamacpp
 def test_llamacpp_replies_as_our_engine_on_the_gguf_weights(tiny_run):
-    from posttrain.data.tiny_world import eval_rows
-    from posttrain.serve.gguf_check import greedy_agreement
-
     run_dir, _ = tiny_run
     model_dir = run_dir / "07-quantize-gguf-q4_k_m" / "model"
     prompts = [r["messages"] for r in eval_rows("arith", 5, 0) + eval_rows("echo", 5, 0)]

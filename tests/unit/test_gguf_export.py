@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from posttrain.config_schema import GGUF_TYPES
 from posttrain.models.loading import load_gguf_model
 from posttrain.quant import k_quants
-from posttrain.quant.gguf_export import export_gguf, llama_permute, tensor_type, use_more_bits
+from posttrain.quant.gguf_export import GGUF_FORMATS, export_gguf, llama_permute, tensor_type, use_more_bits
 
 Q = gguf.GGMLQuantizationType
 
@@ -49,9 +50,6 @@ def test_k_quants_keep_zero_blocks_zero_and_reject_short_rows(rows):
 
 
 def test_recipe_check_knows_every_gguf_format():
-    from posttrain.config_schema import GGUF_TYPES
-    from posttrain.quant.gguf_export import GGUF_FORMATS
-
     assert sorted(GGUF_TYPES) == sorted(GGUF_FORMATS)
 
 
