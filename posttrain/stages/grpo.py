@@ -168,6 +168,28 @@ def engine_rollout(tokenizer) -> EngineRollout:
 
 
 # --- the stage -----------------------------------------------------------------------------------------------------
+def check_prompts_fill_a_step(n_prompts: int, args, world_size: int) -> None:
+    """One optimizer step samples per_device_train_batch_size x gradient_accumulation_steps completions on each
+    process, num_generations per prompt. With fewer prompts than that, the trainer's epoch ends before the first
+    step and the stage "finishes" at global_step 0 with the weights untouched (seen on SmolLM2: 2 prompts against a
+    step of 8), so this fails first, naming the keys."""
+    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    needed = -(-completions // args.num_generations)
+    if n_prompts < needed:
+        raise ValueError(
+            f"grpo: {n_prompts} prompts cannot fill one optimizer step, which samples {completions} completions "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {world_size} processes) of num_generations "
+            f"{args.num_generations} each, so {needed} prompts; raise grpo.prompts.n or lower those")
+
+
+def load_step_prompts(cfg, args) -> tuple[list[dict], dict]:
+    """grpo.prompts' rows and their dataset record, failing when they cannot fill one optimizer step."""
+    rows, record = load_prompts(cfg.grpo.prompts, cfg.data.seed)
+    check_prompts_fill_a_step(len(rows), args, training.world_size())
+    return rows, record
+
+
 def main(cfg, run: StageRun) -> dict:
     import torch
     from datasets import Dataset
@@ -191,7 +213,7 @@ def main(cfg, run: StageRun) -> dict:
                                lora_rank=cfg.grpo.lora.get("r") if cfg.grpo.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
-    rows, record = load_prompts(cfg.grpo.prompts, cfg.data.seed)
+    rows, record = load_step_prompts(cfg, args)
     record["check"] = startup_check("grpo", prompt_jobs(cfg.grpo.prompts, rows), tokenizer,
                                     getattr(args, "max_prompt_length", None), dict(cfg.grpo.chat_template_kwargs or {}),
                                     cfg.get("eval"), cfg.data.seed)

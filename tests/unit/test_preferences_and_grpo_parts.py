@@ -13,7 +13,7 @@ from posttrain.data.tiny_world import preference_pairs
 from posttrain.evaluation.scorecard import render_markdown
 from posttrain.evaluation.suites import Suite
 from posttrain.data.prompts import load_prompts
-from posttrain.stages.grpo import RewardTable, build_rewards
+from posttrain.stages.grpo import RewardTable, build_rewards, check_prompts_fill_a_step
 from rewards import REWARDS
 from tests.conftest import shared_path
 
@@ -135,3 +135,22 @@ def test_gsm8k_prompts_keep_the_problems_with_few_calculations(tmp_path):
     assert [r["prompt"][0]["content"] for r in kept] == ["q1", "q2"] and record["max_calculations"] == 2
     with pytest.raises(ValueError, match="max_calculations filters GSM8K"):
         load_prompts(OmegaConf.merge(cfg, {"source": "openr1_math"}), 0)
+
+
+@pytest.mark.parametrize("n_prompts,batch,accumulation,world,generations,fills", [
+    (2, 8, 4, 1, 4, False),   # SmolLM2's smoke run: a step samples 32 completions, 8 prompts' worth
+    (2, 8, 1, 1, 4, True),
+    (8, 8, 4, 1, 4, True),
+    (3, 8, 1, 2, 4, False),   # two processes sample 16 completions a step: 4 prompts
+    (3, 6, 1, 1, 4, True),    # 6 completions of 4 per prompt: 2 prompts, rounded up
+])
+def test_grpo_refuses_prompts_that_cannot_fill_one_optimizer_step(n_prompts, batch, accumulation, world,
+                                                                  generations, fills):
+    args = SimpleNamespace(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                           num_generations=generations)
+    if fills:
+        check_prompts_fill_a_step(n_prompts, args, world)
+    else:
+        with pytest.raises(ValueError, match=rf"grpo: {n_prompts} prompts cannot fill one optimizer step.*"
+                                             r"raise grpo.prompts.n"):
+            check_prompts_fill_a_step(n_prompts, args, world)
