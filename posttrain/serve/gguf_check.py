@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from posttrain.serve.engine import SamplingParams, load_engine
 
 
@@ -29,15 +31,18 @@ def llama_greedy(llm, prompt: list[int], tokens: int, eos: int) -> list[int]:
 
 
 def greedy_agreement(gguf_path: str | Path, model_dir: str | Path, conversations: list[list[dict]],
-                     tokens: int = 16, threads: int = 2) -> list[dict]:
+                     tokens: int = 16, threads: int | None = None) -> list[dict]:
     """Per conversation: whether the prompts agree, llama.cpp's and our engine's first `tokens` greedy tokens, and
-    llama.cpp's chat-completion reply beside our tokens' text."""
+    llama.cpp's chat-completion reply beside our tokens' text. llama.cpp runs on `threads` threads, by default as
+    many as torch uses here (OMP_NUM_THREADS when set): its threads wait for each other by spinning, so two of them
+    beside another busy process on two cores mostly wait."""
     # optional: llama-cpp-python exists only after `make llamacpp`
     import llama_cpp
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     engine = load_engine(model_dir, max_batch=len(conversations), max_len=512)
     tokenizer = engine.tokenizer
+    threads = threads or torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=512, n_threads=threads, n_threads_batch=threads,
                           verbose=False, seed=0)
     eos = tokenizer.eos_token_id
