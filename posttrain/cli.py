@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "run":
             run_pipeline(cfg)
         elif command == "eval":
-            evaluation.main(cfg)
+            evaluation.main(cfg, overrides)
         elif command == "claims":
             return claims.main(cfg)
         elif cfg.stage:

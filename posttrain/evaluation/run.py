@@ -4,11 +4,15 @@
     posttrain eval run.name=demo                 a named run
     posttrain eval run.name=demo 'eval.checkpoints=[dpo,dpo-int8]' serve=vllm
 
+A run that was scored before is scored again with the eval config and seed it recorded in scorecard.json, with the
+command line's `eval.<key>=` and `seed=` overrides on top; `pipeline=` or `eval=` take the composed config instead.
+
 The pipeline calls `evaluate` after its last stage; `posttrain eval` calls it on a finished run without retraining.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -99,10 +103,44 @@ def log_to_tracking(cfg, run_dir: Path, card: dict) -> None:
     run.finish()
 
 
-def main(cfg) -> Path:
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def recorded_eval(cfg, run_dir: Path, overrides: list[str]):
+    """The config to rescore `run_dir` with: the eval config and seed the run was last scored with (its
+    scorecard.json), with this command line's `eval.<key>=` and `seed=` overrides on top. The composed config's
+    defaults (eval=tiny: 100 / 200 / 100 / 100 prompts) would otherwise score a `pipeline=tiny-ci` run on other
+    prompts than its own scorecard. A `pipeline=` or `eval=` override, or a run scored before the config was
+    recorded, takes the composed config as it is."""
+    path = Path(run_dir) / "scorecard.json"
+    card = json.loads(path.read_text()) if path.is_file() else {}
+    if not card.get("eval_config") or any(_key(o) in ("eval", "pipeline") for o in overrides):
+        return cfg
+    overridden = {key: OmegaConf.select(cfg, key) for key in dict.fromkeys(_key(o) for o in overrides)
+                  if key.startswith("eval.")}
+    seed = cfg.seed if any(_key(o) == "seed" for o in overrides) else card.get("seed", cfg.seed)
+    cfg = cfg.copy()
+    OmegaConf.set_readonly(cfg, False)
+    for key, value in card["eval_config"].items():
+        if key == "checkpoints" or key not in cfg.eval:  # a key this version no longer has is left out
+            continue
+        node = cfg.eval[key]
+        typed = OmegaConf.is_config(node) and OmegaConf.get_type(node) not in (dict, list, None)
+        cfg.eval[key] = OmegaConf.merge(node, value) if typed else value  # a typed block takes all its recorded fields
+    for key, value in overridden.items():
+        OmegaConf.update(cfg, key, value)
+    cfg.seed = seed
+    OmegaConf.set_readonly(cfg, True)
+    log.info("eval: the run's recorded eval config (%s), seed %s", path, seed)
+    return cfg
+
+
+def main(cfg, overrides: list[str] | None = None) -> Path:
     run_dir = run_dir_of(cfg)[0] if cfg.run.name else latest_run(Path(cfg.run.root))
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    cfg = recorded_eval(cfg, run_dir, overrides or [])
     stage_dirs = select(stage_dirs_of(run_dir), list(cfg.eval.checkpoints))
     if not stage_dirs:
         raise FileNotFoundError(f"{run_dir} has no finished stage to evaluate")

@@ -11,10 +11,13 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from posttrain.artifacts import now, read_manifest, verify_artifact, weight_files, write_json_atomic
+from omegaconf import OmegaConf
+
+from posttrain.artifacts import manifest_sha256, now, read_manifest, verify_artifact, weight_files, write_json_atomic
 from posttrain.config_schema import ServeCfg
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.provenance import base_model, render_base_model
+from posttrain.evaluation.stats import mean_interval, paired_difference
 from posttrain.evaluation.suites import build_suite
 from posttrain.models.likelihood import render_shift
 from posttrain.models.loading import load_tokenizer
@@ -82,6 +85,8 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
                                            **ask)
                 scores = suite.score(completions)
                 row[suite.name], row[f"{suite.name}_n"] = mean(scores)
+                row[f"{suite.name}_ci"] = mean_interval(scores, seed)
+                row[f"{suite.name}_scores"] = scores  # per prompt, in the suite's order: what changes are paired on
                 row[f"{suite.name}_examples"] = [
                     {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
                     for r, c, s in list(zip(suite.rows, completions, scores))[:3]
@@ -91,7 +96,10 @@ def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0
                     sampled = chat_replies(conversations=prompts, max_tokens=max_new, samples=suite.samples,
                                            temperature=suite.temperature, seed=seed,
                                            desc=f"{label}/{suite.name} sampled", **ask)
-                    row[f"{suite.name}_pass@1"], _ = mean(suite.score_samples(sampled))
+                    per_prompt = suite.score_samples(sampled)
+                    row[f"{suite.name}_pass@1"], _ = mean(per_prompt)
+                    row[f"{suite.name}_pass@1_ci"] = mean_interval(per_prompt, seed)
+                    row[f"{suite.name}_pass@1_scores"] = per_prompt
                     row[f"{suite.name}_samples"] = suite.samples
                     row[f"{suite.name}_temperature"] = suite.temperature
             if eval_cfg.latency.requests:
@@ -155,6 +163,13 @@ def build_suites(eval_cfg, seed: int) -> list:
     return suites
 
 
+def recordable(eval_cfg) -> dict | None:
+    """The eval config as the scorecard records it: everything but `checkpoints`, which picks rows, not scores."""
+    if not OmegaConf.is_config(eval_cfg):
+        return None
+    return {k: v for k, v in OmegaConf.to_container(eval_cfg, resolve=True).items() if k != "checkpoints"}
+
+
 def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
     suites = build_suites(eval_cfg, seed)
     generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
@@ -166,19 +181,73 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
         if not is_generator(manifest.get("stage", "")):
             continue
         rows.append(score_checkpoint(stage_dir, suites, eval_cfg, serve_cfg, seed))
+        rows[-1]["manifest_sha256"] = manifest_sha256(stage_dir)
+        parent_sha = (manifest.get("parent") or {}).get("manifest_sha256")
+        parent = next((r["checkpoint"] for r in rows[:-1] if r["manifest_sha256"] == parent_sha), None)
+        if parent:
+            rows[-1]["parent"] = parent
         if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
             shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
         if manifest.get("stage") == "quantize":
             quantization[rows[-1]["checkpoint"]] = quantization_summary(manifest)
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
             "quantization": quantization, "backend": serve_cfg.backend, "base_model": base_model(stage_dirs),
-            "written_at": now()}
+            "changes": changes(rows, list(eval_cfg.suites), seed), "written_at": now(),
+            "eval_config": recordable(eval_cfg), "seed": seed}  # what `posttrain eval` rescores the run with
     write_json_atomic(Path(run_dir) / "scorecard.json", card)
     markdown = render_markdown(card)
     tmp = Path(run_dir) / ".scorecard.md.tmp"
     tmp.write_text(markdown)
     tmp.replace(Path(run_dir) / "scorecard.md")
     return card
+
+
+def changes(rows: list[dict], suites: list[str], seed: int = 0) -> list[dict]:
+    """Each checkpoint against its parent checkpoint in the same scorecard (sft against base, grpo against sft, a
+    quantized copy against what it quantized): per suite, the mean per-prompt change of the greedy score (and of
+    pass@1 where the suite samples) with its paired-bootstrap 95% interval."""
+    by_label = {r["checkpoint"]: r for r in rows}
+    out = []
+    for row in rows:
+        parent = by_label.get(row.get("parent"))
+        if parent is None:
+            continue
+        for suite in suites:
+            for key in (suite, f"{suite}_pass@1"):
+                if f"{key}_scores" in row and f"{key}_scores" in parent:
+                    change = paired_difference(parent[f"{key}_scores"], row[f"{key}_scores"], seed)
+                    out.append({"checkpoint": row["checkpoint"], "parent": parent["checkpoint"], "key": key,
+                                **change})
+    return out
+
+
+def render_changes(card: dict) -> list[str]:
+    """One row per checkpoint with a parent: each score's change and its paired 95% interval."""
+    found = card.get("changes") or []
+    if not found:
+        return []
+    keys = list(dict.fromkeys(c["key"] for c in found))
+    head = ["checkpoint", "against"] + [HEADERS.get(k, k.replace("_pass@1", " pass@1")) for k in keys]
+    lines = ["", "## Changes against the parent checkpoint", "",
+             "Mean per-prompt change on the same prompts, with its 95% interval (paired bootstrap over prompts).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in dict.fromkeys(c["checkpoint"] for c in found):
+        mine = {c["key"]: c for c in found if c["checkpoint"] == label}
+        cells = [label, next(iter(mine.values()))["parent"]]
+        cells += [f"{mine[k]['diff']:+.3f} [{mine[k]['low']:+.3f}, {mine[k]['high']:+.3f}]" if k in mine else "n/a"
+                  for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def score_cell(row: dict, key: str) -> str:
+    """`0.735 [0.670, 0.791] (200)`: the score, its 95% interval where the row has one, its n where it has one."""
+    text = f"{row[key]:.3f}"
+    if row.get(f"{key}_ci"):
+        low, high = row[f"{key}_ci"]
+        text += f" [{low:.3f}, {high:.3f}]"
+    n = row.get(f"{key}_n")
+    return text + (f" ({n})" if n is not None else "")
 
 
 def quantization_summary(manifest: dict) -> dict:
@@ -218,12 +287,14 @@ def render_markdown(card: dict) -> str:
     """One row per checkpoint: each suite's greedy score (n prompts), and pass@1 where the suite samples."""
     rows = card["rows"]
     columns: list[tuple[str, str]] = []  # (header, key)
+    ci = " [95% CI]" if rows and any(k.endswith("_ci") for k in rows[0]) else ""
     for s in card["suites"]:
         sampled = rows and f"{s}_pass@1" in rows[0]
         name = HEADERS.get(s, s)
-        columns.append((f"{name} greedy (n)" if sampled else f"{name} (n)", s))
+        columns.append((f"{name} greedy{ci} (n)" if sampled else f"{name}{ci} (n)", s))
         if sampled:
-            columns.append((f"{s} pass@1 (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})", f"{s}_pass@1"))
+            columns.append((f"{s} pass@1{ci} (k={rows[0][f'{s}_samples']}, T={rows[0][f'{s}_temperature']})",
+                            f"{s}_pass@1"))
     servers = {row.get("backend", card.get("backend", "posttrain")) for row in rows}
     head = ["checkpoint"] + [h for h, _ in columns] + ["size MB", "TTFT ms", "decode tok/s"]
     head += ["server"] if len(servers) > 1 else []
@@ -231,9 +302,7 @@ def render_markdown(card: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["checkpoint"]]
-        for _, key in columns:
-            n = row.get(f"{key}_n")
-            cells.append(f"{row[key]:.3f}" + (f" ({n})" if n is not None else ""))
+        cells += [score_cell(row, key) for _, key in columns]
         cells.append(f"{row['size_mb']:.1f}")
         latency = row.get("latency") or {}
         cells.append(f"{latency['ttft_ms']:.1f}" if latency.get("ttft_ms") is not None else "n/a")
@@ -248,6 +317,10 @@ def render_markdown(card: dict) -> str:
                       f"{probe['max_tokens']} tokens sent one at a time, timed by the client."]
     for label, shift in card.get("likelihood_shift", {}).items():
         lines += ["", f"Likelihood shift of {label} against its reference: {render_shift(shift)}"]
+    if ci:
+        lines += ["", "Intervals: Wilson for a rate (every per-prompt score 0 or 1), a percentile bootstrap over "
+                      "prompts for a mean of fractional scores (pass@1)."]
+    lines += render_changes(card)
     if card.get("quantization"):
         lines += render_quantization(card)
     return "\n".join(lines) + "\n"

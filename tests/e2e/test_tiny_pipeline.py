@@ -147,9 +147,17 @@ def test_scorecard_has_a_row_per_generator_with_every_suite(tiny_run):
     assert "Likelihood shift of dpo against its reference: chosen log-prob/token" in markdown
     assert "Base model: built by the pretrain stage (source tiny" in markdown  # the header names the weights
     assert card["base_model"]["files"] and card["base_model"]["root_stage"] == "pretrain"
-    header = ("| checkpoint | echo (n) | arith greedy (n) | arith pass@1 (k=2, T=1.0) | safe replies (n) "
-              "| benign answered (n) | size MB | TTFT ms | decode tok/s |")
+    header = ("| checkpoint | echo [95% CI] (n) | arith greedy [95% CI] (n) | arith pass@1 [95% CI] (k=2, T=1.0) "
+              "| safe replies [95% CI] (n) | benign answered [95% CI] (n) | size MB | TTFT ms | decode tok/s |")
     assert header in result.stdout  # printed at the end of the run
+    # every row with an n has its interval, around its score; every child has its paired change against its parent
+    for row in card["rows"]:
+        for key in ("echo", "arith", "arith_pass@1", "safety", "over_refusal"):
+            low, high = row[f"{key}_ci"]
+            assert 0.0 <= low <= row[key] <= high <= 1.0
+    pairs = {(c["checkpoint"], c["parent"]) for c in card["changes"]}
+    assert {("sft", "base"), ("grpo", "sft"), ("dpo", "grpo"), ("dpo-int8", "dpo")} <= pairs
+    assert "## Changes against the parent checkpoint" in markdown
 
 
 def test_every_row_was_measured_through_the_server_and_the_report_has_its_plots(tiny_run):
@@ -240,9 +248,11 @@ def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
     run_dir, _ = tiny_run
     before = json.loads((run_dir / "scorecard.json").read_text())
     manifests = {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
-    # pipeline=tiny-ci: the recipe the run was made with, so the same suites and prompt counts as its scorecard
-    result = posttrain("eval", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci",
+    # no pipeline=tiny-ci: eval rescores with the eval config the run recorded (the same suites and prompt counts
+    # as its scorecard), and these eval.<key> overrides on top
+    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci",
                        "eval.checkpoints=[dpo,dpo-int8]", "eval.latency.requests=2")
+    assert "the run's recorded eval config" in result.stderr
     assert result.returncode == 0, result.stderr[-3000:]
     after = json.loads((run_dir / "scorecard.json").read_text())
     assert [r["checkpoint"] for r in after["rows"]] == ["dpo", "dpo-int8"]
