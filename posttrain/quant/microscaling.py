@@ -44,16 +44,20 @@ def check_finite(w: torch.Tensor, what: str) -> None:
                          f"low-precision code can hold them")
 
 
+# Rounding to FP4 as threshold counts: the code of |x| is how many midpoints between neighbouring grid values it
+# passes. At a midpoint the tie goes to the even code: strictly above when the code above is odd (">"), at or above
+# when it is even (">="). Seven comparisons, no search or gather: ~10x faster than bucketize on CPU, which matters
+# for the quantize stage's table of format errors over every weight of a real model.
+_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
 def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     """FP4 E2M1 codes (uint8 0..15) of x, rounded to nearest with ties to even, saturating at +-6."""
     check_finite(x, "fp4_encode")
-    grid = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=x.device)
-    a = x.float().abs().clamp(max=FP4_MAX)
-    low = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 6)  # largest grid value <= a (6 stays at index 6)
-    high = low + 1
-    middle = (grid[low] + grid[high]) / 2  # exact: the grid is dyadic
-    up = (a > middle) | ((a == middle) & (high % 2 == 0))
-    code = torch.where(up, high, low).to(torch.uint8)
+    a = x.float().abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for middle, tie_up in _FP4_MIDPOINTS:
+        code += (a >= middle) if tie_up else (a > middle)
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
