@@ -69,7 +69,9 @@ class StageCfg:
 
 @dataclass
 class PairsCfg:
-    source: str = "tiny"  # tiny (preference pairs) | tiny_safety (safety pairs, for DPO) | pku_saferlhf (file or hub id)
+    # tiny (preference pairs) | tiny_safety (safety pairs, for DPO) | pku_saferlhf (file or hub id) | hh_rlhf
+    # (Anthropic HH-RLHF harmless-base, file or hub id; held out by conversation, on_bad_row as for PKU)
+    source: str = "tiny"
     path: str | None = None
     hub_id: str | None = None
     split: str = "train"
@@ -282,7 +284,7 @@ TRAINER_CLASSES = {name: stage.trainer_config for name, stage in STAGES.items() 
 OPTION_VALUES = {
     f"{stage}.pairs.{key}": values
     for stage in ("reward_model", "dpo")
-    for key, values in {"source": ("tiny", "tiny_safety", "pku_saferlhf"),
+    for key, values in {"source": ("tiny", "tiny_safety", "pku_saferlhf", "hh_rlhf"),
                         "preference": ("safer", "better", "safe_vs_unsafe"),
                         "on_bad_row": ("error", "drop")}.items()
 }

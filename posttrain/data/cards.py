@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 CARDS_DIR = REPO / "data_cards"
 SHARED_DATA = REPO.parent / "shared" / "data"  # real data slices beside the repo (see each folder's README)
 TYPES = {"str": str, "int": int, "bool": bool, "float": float, "list": list, "dict": dict}
-MAPPING_KINDS = ("dolly", "gsm8k", "math500", "messages", "pku_pairs", "pairs", "prompt", "text")
+MAPPING_KINDS = ("dolly", "gsm8k", "math500", "messages", "pku_pairs", "hh_pairs", "pairs", "prompt", "text")
 COLUMN_KEYS = {"type", "meaning", "nonempty", "required", "values", "pattern", "sha256_of"}
 
 

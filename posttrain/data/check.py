@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from posttrain.chat.render import MaskError, render_chat, tokenize_with_assistant_mask
 from posttrain.data.cards import TYPES, Spec
+from posttrain.data.hh_rlhf import SUBSETS, hh_pairs
 from posttrain.data.overlap import EvalIndex, prompt_text
 from posttrain.data.preferences import pku_pairs
 from posttrain.data.tiny_world import qa_messages
@@ -242,9 +243,21 @@ def map_rows(rows: list, spec: Spec, good: list[int], source: str, collect: Coll
         level = "warning" if spec.mapping.get("on_bad_row") == "drop" else "error"
         out = []
         for i, r in picked:  # one row at a time, so each pair keeps its row number
-            pairs, report = pku_pairs([r], source, preference, on_bad_row="drop")
+            pairs, report = pku_pairs([r], source, preference, on_bad_row="drop", quiet=True)
             for reason in report["dropped"]:
                 collect.add(level, "values", f"not a valid '{preference}' pair ({reason})", i)
+            out += [(i, p) for p in pairs]
+        return "pairs", out
+    if kind == "hh_pairs":
+        # transcripts that do not parse or disagree before the last reply are bad pairs; a card (or recipe) with
+        # on_bad_row=drop reports them as warnings, since the stage drops them
+        level = "warning" if spec.mapping.get("on_bad_row") == "drop" else "error"
+        subset = SUBSETS[spec.mapping.get("subset", "harmless-base")]
+        out = []
+        for i, r in picked:
+            pairs, report = hh_pairs([r], source, on_bad_row="drop", kind=subset, quiet=True)
+            for reason in report["dropped"]:
+                collect.add(level, "values", f"not a valid pair ({reason})", i)
             out += [(i, p) for p in pairs]
         return "pairs", out
     raise ValueError(f"{spec.name}: mapping kind '{kind}' has no converter")

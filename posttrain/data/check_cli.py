@@ -56,7 +56,9 @@ def hub_rows(card: Card, hub_id: str, split: str) -> list[dict]:
     try:
         from datasets import load_dataset
 
-        return list(load_dataset(hub_id, card.meta.get("config"), split=split, revision=card.meta.get("revision")))
+        # data_dir: a subset kept in its own folder of the hub repository (HH-RLHF's harmless-base)
+        return list(load_dataset(hub_id, card.meta.get("config"), split=split, revision=card.meta.get("revision"),
+                                 data_dir=card.meta.get("data_dir")))
     except Exception as err:  # offline, unknown split, gated: say which and what to do instead
         raise CardError(f"could not load {hub_id} (split {split}) from the hub: {type(err).__name__}: "
                         f"{str(err)[:200]}. Offline, pass a local file: posttrain data check <file> "
@@ -69,7 +71,8 @@ def resolve(target: str, card_name: str | None, split: str | None, sample: bool)
         family = target.split("/", 1)[1] if "/" in target and not target.endswith(".md") else None
         return tiny_jobs(card, family)
     path = Path(target)
-    if path.suffix in (".jsonl", ".json", ".parquet") or (path.exists() and not path.suffix == ".md"):
+    if path.suffix in (".jsonl", ".json", ".parquet") or path.name.endswith(".jsonl.gz") \
+            or (path.exists() and not path.suffix == ".md"):
         if not path.exists():
             raise CardError(f"{path}: no such data file")
         card, entry = (load_card(card_name), None) if card_name else card_for_file(path)

@@ -1,12 +1,13 @@
 """Dolly-style instruction rows (instruction, context, response, category) from the hub or a local file.
 
 Online, `databricks/databricks-dolly-15k` loads through `datasets`; offline the same adapter reads a local
-JSON / JSONL / Parquet file. Every row is checked before training: a missing or non-string field is an error
-naming the file, the row and the field.
+JSON / JSONL (plain or .jsonl.gz) / Parquet file. Every row is checked before training: a missing or non-string
+field is an error naming the file, the row and the field.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -19,13 +20,26 @@ class DataError(ValueError):
     """A dataset row is malformed; the message names the file, the row and the field."""
 
 
+def _read_text(path: Path) -> str:
+    """A text file's contents; `.gz` files are decompressed first (a broken archive is a DataError)."""
+    if path.suffix != ".gz":
+        return path.read_text()
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError; a cut-off archive ends in EOFError
+        raise DataError(f"{path}: not a readable gzip file ({err})") from None
+
+
 def read_rows(path: Path) -> list[dict]:
+    """Rows of a JSONL file (one object a line, blank lines skipped; gzip-compressed when it ends in .jsonl.gz),
+    a JSON list or a Parquet file. A line that is not JSON is a DataError naming the file and the row."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: data file not found")
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
         rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -42,7 +56,7 @@ def read_rows(path: Path) -> list[dict]:
         from datasets import load_dataset
 
         return list(load_dataset("parquet", data_files=str(path), split="train"))
-    raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .jsonl, .json or .parquet)")
+    raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .jsonl, .jsonl.gz, .json or .parquet)")
 
 
 def validate_dolly(rows: list[dict], source: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Preference pairs (prompt, chosen, rejected) for the reward model and DPO: the tiny world's, or PKU-SafeRLHF rows.
+"""Preference pairs (prompt, chosen, rejected) for the reward model and DPO: the tiny world's, PKU-SafeRLHF rows, or
+Anthropic HH-RLHF harmless-base rows (posttrain.data.hh_rlhf: multi-turn, held out by conversation).
 
 PKU-SafeRLHF rows carry `prompt`, `response_0`, `response_1`, two ids (`safer_response_id`, `better_response_id`)
 and two safety flags (`is_response_0_safe`, `is_response_1_safe`). The `preference` mode says which label picks
@@ -23,6 +24,7 @@ from numbers import Integral
 from pathlib import Path
 
 from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.hh_rlhf import SUBSETS, hh_pairs, split_by_conversation
 from posttrain.data.tiny_safety import safety_pairs
 from posttrain.data.tiny_world import preference_pairs
 
@@ -90,7 +92,7 @@ def _choose(row: object, preference: str) -> int | None:
 
 
 def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
-              on_bad_row: str = "error") -> tuple[list[dict], dict]:
+              on_bad_row: str = "error", quiet: bool = False) -> tuple[list[dict], dict]:
     """(conversational pairs, report) from PKU-SafeRLHF-shaped rows; rows are numbered from 1 as in the file.
 
     The report: {"rows_read", "pairs", "skipped": {"not_exactly_one_safe"}, "dropped": {reason: count},
@@ -124,11 +126,11 @@ def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
             "family": "pku_saferlhf",
             "kind": preference,
         })
-    if dropped:
+    if dropped and not quiet:  # quiet: a caller that reports each bad row itself (the data check)
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(dropped.items()))
         log.warning("%s: dropped %d of %d rows as bad (%s); first dropped rows: %s", source, sum(dropped.values()),
                     len(rows), reasons, ", ".join(map(str, dropped_rows)))
-    if skipped:
+    if skipped and not quiet:
         log.info("%s: %s skipped %d rows without exactly one safe response", source, preference, skipped)
     report = {"rows_read": len(rows), "pairs": len(pairs), "skipped": {"not_exactly_one_safe": skipped},
               "dropped": dict(dropped), "dropped_rows": dropped_rows}
@@ -170,4 +172,34 @@ def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
         record = {"id": source, "card": "data_cards/pku-saferlhf.md", "preference": pairs_cfg.preference,
                   "report": report}
         return pairs[n_eval:], pairs[:n_eval], record
-    raise ValueError(f"pairs.source '{pairs_cfg.source}' is not one of tiny, tiny_safety, pku_saferlhf")
+    if pairs_cfg.source == "hh_rlhf":
+        return _hh_rlhf_pairs(pairs_cfg, seed)
+    raise ValueError(f"pairs.source '{pairs_cfg.source}' is not one of tiny, tiny_safety, pku_saferlhf, hh_rlhf")
+
+
+def _hh_rlhf_pairs(pairs_cfg, seed: int, subset: str = "harmless-base") -> tuple[list[dict], list[dict], dict]:
+    """HH-RLHF pairs from `pairs_cfg.path` (JSONL, plain or .jsonl.gz), else the hub's `subset` folder of
+    `pairs_cfg.hub_id`. Whole conversations are held out (at least n_eval pairs, chosen by the run's seed), so no
+    conversation is trained on and scored; n_train then caps the training pairs (null: all the rest)."""
+    if pairs_cfg.path:
+        source, rows = str(pairs_cfg.path), read_rows(Path(pairs_cfg.path))
+    elif pairs_cfg.hub_id:
+        from datasets import load_dataset
+
+        source = f"{pairs_cfg.hub_id}:{subset}/{pairs_cfg.split}"
+        rows = list(load_dataset(pairs_cfg.hub_id, data_dir=subset, split=pairs_cfg.split))
+    else:
+        raise DataError("reward_model.pairs.path and .hub_id are both empty: nothing to load")
+    pairs, report = hh_pairs(rows, source, pairs_cfg.on_bad_row, kind=SUBSETS[subset])
+    if pairs_cfg.n_eval < 1:
+        raise DataError(f"{source}: n_eval is {pairs_cfg.n_eval}; the pairwise accuracy needs held-out pairs")
+    try:
+        train, held_out = split_by_conversation(pairs, pairs_cfg.n_eval, seed)
+    except ValueError as err:
+        raise DataError(f"{source}: {err} (report: {report})") from None
+    if pairs_cfg.n_train:
+        train = train[: pairs_cfg.n_train]
+    conversations = {"train": len({p["conversation"] for p in train}),
+                     "held_out": len({p["conversation"] for p in held_out})}
+    record = {"id": source, "card": "data_cards/hh-rlhf.md", "report": report, "conversations": conversations}
+    return train, held_out, record

@@ -99,17 +99,19 @@ def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
         return tiny_jobs(train_pairs, lambda r: "safety_pairs" if r["family"] == "safety" else "preference_pairs",
                          {"safety_pairs": len(train_pairs) - n_anchor, "preference_pairs": n_anchor},
                          "tiny_world/safety_pairs")
+    hh = pairs_cfg.source == "hh_rlhf"
     if pairs_cfg.path:
         raw = read_rows(Path(pairs_cfg.path))
     else:
         from datasets import load_dataset
 
-        raw = list(load_dataset(pairs_cfg.hub_id, split=pairs_cfg.split))
-    job = file_job("pku-saferlhf", raw, pairs_cfg.path, pairs_cfg.hub_id, pairs_cfg.split or "train",
-                   limited=bool(pairs_cfg.n_train))
-    # the recipe's preference and bad-row policy decide which rows are bad pairs, as in the stage itself
-    mapping = {**job.spec.mapping, "preference": pairs_cfg.preference, "on_bad_row": pairs_cfg.on_bad_row}
-    return [replace(job, spec=replace(job.spec, mapping=mapping))]
+        extra = {"data_dir": "harmless-base"} if hh else {}
+        raw = list(load_dataset(pairs_cfg.hub_id, split=pairs_cfg.split, **extra))
+    job = file_job("hh-rlhf" if hh else "pku-saferlhf", raw, pairs_cfg.path, pairs_cfg.hub_id,
+                   pairs_cfg.split or "train", limited=bool(pairs_cfg.n_train))
+    # the recipe's bad-row policy (and PKU's preference) decide which rows are bad pairs, as in the stage itself
+    policy = {"on_bad_row": pairs_cfg.on_bad_row} | ({} if hh else {"preference": pairs_cfg.preference})
+    return [replace(job, spec=replace(job.spec, mapping={**job.spec.mapping, **policy}))]
 
 
 def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:

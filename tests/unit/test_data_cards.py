@@ -16,7 +16,8 @@ from posttrain.data.check_cli import main as check_main
 from posttrain.data.overlap import EvalIndex, normalise
 from tests.conftest import REPO, shared_path
 
-EXPECTED_CARDS = {"databricks-dolly-15k", "pku-saferlhf", "gsm8k", "openr1-math-220k", "math-500", "tiny_world"}
+EXPECTED_CARDS = {"databricks-dolly-15k", "pku-saferlhf", "gsm8k", "openr1-math-220k", "math-500", "tiny_world",
+                  "hh-rlhf"}
 
 
 def run_check(capsys, *argv: str) -> tuple[int, str]:
