@@ -281,3 +281,19 @@ def test_the_shared_harmless_base_test_file():
     assert len(held_out) >= 400 and len(train) + len(held_out) == len(pairs)
     assert not keys(train) & keys(held_out)
     assert sum(record["conversations"].values()) == len(keys(pairs))
+
+
+def test_the_stage_start_up_check_holds_hh_pairs_to_their_own_card(tmp_path):
+    """reward_model / dpo with source hh_rlhf check their rows against data_cards/hh-rlhf.md (not PKU's, whose
+    `prompt` column these rows lack), with the recipe's bad-row policy; the mapped pairs skip the bad row."""
+    from posttrain.data.startup import pair_jobs
+
+    rows = [hh_row(("hello",), f"reply {i}", f"other {i}") for i in range(4)] + [{"chosen": "no turns", "rejected": "none here"}]
+    path = write_gz(tmp_path / "pairs.jsonl.gz", rows)
+    for policy in ("drop", "error"):
+        (job,) = pair_jobs(PairsCfg(source="hh_rlhf", path=path, on_bad_row=policy, n_eval=1), [])
+        assert job.spec.card_id == "hh-rlhf" and job.spec.mapping["on_bad_row"] == policy
+        assert "preference" not in job.spec.mapping and len(job.rows) == 5
+        report = check_rows(job.rows, job.spec, source=job.source)
+        levels = {f.level for f in report.findings if f.check == "values"}
+        assert levels == {"warning" if policy == "drop" else "error"}
