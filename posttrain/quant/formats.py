@@ -61,7 +61,7 @@ FP16_MAX = 65504.0  # largest finite float16 value
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 # Integer code ranges (inclusive) per format and symmetry.
-_CODE_RANGE = {("int8", True): (-127, 127), ("int4", True): (-8, 7), ("int4", False): (0, 15)}
+CODE_RANGE = {("int8", True): (-127, 127), ("int4", True): (-8, 7), ("int4", False): (0, 15)}
 # Symmetric scale = absmax / this, so that the largest weight maps to the largest positive code.
 _SYM_DIVISOR = {"int8": 127.0, "int4": 7.0, "fp8": FP8_E4M3_MAX}
 
@@ -131,9 +131,9 @@ def quantize_codes(
         # Clamp first: a ratio a hair above 448 from float rounding must not depend on the cast's overflow rule.
         return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     symmetric = zero is None
-    if (fmt, symmetric) not in _CODE_RANGE:
+    if (fmt, symmetric) not in CODE_RANGE:
         raise ValueError(f"quantize_codes: no integer code range for fmt={fmt!r}, symmetric={symmetric}")
-    low, high = _CODE_RANGE[(fmt, symmetric)]
+    low, high = CODE_RANGE[(fmt, symmetric)]
     if not symmetric:
         scaled = scaled + zero.unsqueeze(-1).float()
     return torch.round(scaled).clamp(low, high).to(torch.int8)

@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.quant.formats import (
-    QuantizedWeight,
-    choose_scale_zero,
-    dequantize_codes,
-    quantize_codes,
-    resolve_group_size,
-)
+from posttrain.quant.formats import CODE_RANGE, QuantizedWeight, choose_scale_zero, resolve_group_size
 
 GPTQ_FORMATS = ("int4", "int8")
 
@@ -132,14 +126,20 @@ def gptq_quantize(
     upper = _inverse_hessian_factor(hessian, damp)
     codes = torch.zeros(out_features, in_features, dtype=torch.int8)  # processed (permuted) order
     block = _effective_block_size(block_size, group)
+    low, high = CODE_RANGE[(fmt, symmetric)]
+    groups = group_of_column.tolist()
+    # The column loop runs in_features times per layer (~170k times over SmolLM2), so each step is the fewest
+    # tensor ops that give quantize_codes' and dequantize_codes' exact fp32 results: the codes stay floats (whole
+    # numbers in the code range) until the block is done, and the zero point is a float column.
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
         block_weight = weight[:, start:end].clone()  # [out, b], receives eager updates inside the block
         block_error = torch.zeros_like(block_weight)  # [out, b], scaled errors e_j / U[j, j]
+        block_codes = torch.empty_like(block_weight)  # [out, b] float codes
         block_upper = upper[start:end, start:end]
         for i in range(end - start):
             column = start + i
-            g = int(group_of_column[column])
+            g = groups[column]
             if not act_order and column % group == 0:
                 # Group starts here: choose scale/zero from the current (updated) weights of the group. A group that
                 # overruns the block starts at the block's first column (see _effective_block_size): nothing is pending.
@@ -148,14 +148,18 @@ def gptq_quantize(
                 scale[:, g] = group_scale
                 if zero is not None:
                     zero[:, g] = group_zero
-            col_scale = scale[:, g]  # [out]
-            col_zero = None if zero is None else zero[:, g]
-            col_codes = quantize_codes(block_weight[:, i:i + 1], col_scale, col_zero, fmt)  # [out, 1]
-            col_deq = dequantize_codes(col_codes, col_scale, col_zero)
-            error = (block_weight[:, i:i + 1] - col_deq) / block_upper[i, i]  # [out, 1]
-            block_weight[:, i + 1:] -= error * block_upper[i:i + 1, i + 1:]
-            block_error[:, i:i + 1] = error
-            codes[:, column] = col_codes[:, 0]
+            if i == 0 or groups[column - 1] != g or (not act_order and column % group == 0):
+                col_scale = scale[:, g].clone()  # [out]
+                col_zero = None if zero is None else zero[:, g].float()
+            w_col = block_weight[:, i]
+            scaled = w_col / col_scale if col_zero is None else w_col / col_scale + col_zero
+            col_codes = scaled.round_().clamp_(low, high)
+            col_deq = (col_codes if col_zero is None else col_codes - col_zero) * col_scale
+            error = (w_col - col_deq) / block_upper[i, i]  # [out]
+            block_weight[:, i + 1:] -= error[:, None] * block_upper[i:i + 1, i + 1:]
+            block_error[:, i] = error
+            block_codes[:, i] = col_codes
+        codes[:, start:end] = block_codes.to(torch.int8)
         # Lazy batch update of every column right of the block: one [out, b] @ [b, in - end] matmul.
         weight[:, end:] -= block_error @ upper[start:end, end:]
 
