@@ -258,6 +258,7 @@ def quantization_summary(manifest: dict) -> dict:
         "size_mb": m["size_bytes"] / 2**20, "parent_size_mb": m["parent_size_bytes"] / 2**20,
         "bytes_per_param": m["bytes_per_param"], "mean_of_spread": m["mean_of_spread"],
         "perplexity": m["perplexity"], "format_errors": m["format_errors"],
+        "format_errors_rows": m.get("format_errors_rows"),
     }
 
 
@@ -278,8 +279,10 @@ def render_quantization(card: dict) -> list[str]:
     first = next(iter(card.get("quantization", {}).values()), None)
     if first:
         table = ", ".join(f"{k}: {v['of_spread']:.3f}" for k, v in first["format_errors"].items())
-        lines += ["", f"Round-to-nearest error of each format on {first['parent']}'s weights, as a fraction of "
-                      f"their spread (rms error / std): {table}"]
+        sample = (f" ({first['format_errors_rows']} evenly spaced rows of each)" if first.get("format_errors_rows")
+                  else "")
+        lines += ["", f"Round-to-nearest error of each format on {first['parent']}'s weights{sample}, as a fraction "
+                      f"of their spread (rms error / std): {table}"]
     return lines
 
 

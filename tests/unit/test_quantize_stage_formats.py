@@ -76,3 +76,25 @@ def test_scorecard_and_report_print_the_new_labels():
     for label in NEW_LABELS:
         assert f"{label}: {table[label]['of_spread']:.3f}" in errors_line
     assert quantization_plot(card)  # the bar chart takes the labels as they are
+    assert "on dpo's weights, as a fraction" in errors_line
+    summary["format_errors_rows"] = 128  # a large model's table, from sampled rows: the line says so
+    assert "on dpo's weights (128 evenly spaced rows of each), as a fraction" in render_quantization(card)[-1]
+
+
+def test_a_large_models_format_error_table_is_measured_on_sampled_rows(monkeypatch):
+    """Past ERROR_TABLE_FULL_PARAMS each weight's table entry comes from ERROR_TABLE_ROWS evenly spaced rows: the
+    figures stay within a few percent of the full table's, and the stage records how many rows it used."""
+    from posttrain.stages import quantize as stage
+
+    torch.manual_seed(0)
+    originals = {f"layer{i}": torch.randn(1024, 256) * (1 + i) for i in range(3)}
+    full = stage.format_error_table(originals)
+    assert stage.error_table_rows(originals) is None
+    monkeypatch.setattr(stage, "ERROR_TABLE_FULL_PARAMS", 100_000)
+    monkeypatch.setattr(stage, "ERROR_TABLE_ROWS", 128)
+    assert stage.error_table_rows(originals) == 128
+    sampled = stage.format_error_table(originals)
+    assert sampled.keys() == full.keys() and len(full) >= 10
+    for label, entry in full.items():
+        assert sampled[label]["of_spread"] == pytest.approx(entry["of_spread"], rel=0.05), label
+        assert sampled[label]["bytes_per_param"] == pytest.approx(entry["bytes_per_param"], rel=0.02), label
