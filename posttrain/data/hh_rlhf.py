@@ -24,15 +24,12 @@ on.
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
 import re
 from collections import Counter
 
-from posttrain.data.dolly import DataError
+from posttrain.data.bad_rows import BadRow, BadRows
 from posttrain.data.overlap import normalise
-
-log = logging.getLogger("posttrain")
 
 HH_FIELDS = ("chosen", "rejected")
 SUBSETS = {"harmless-base": "harmless"}  # the hub repository's data_dir -> the pairs' `kind`
@@ -40,20 +37,10 @@ ROLES = {"Human": "user", "Assistant": "assistant"}
 # A turn marker: a blank line, the speaker and a colon; the space after the colon is absent only when the turn is
 # empty at the very end of the text.
 TURN = re.compile(r"\n\n(Human|Assistant):(?: |$)")
-ON_BAD_ROW = ("error", "drop")
-MAX_DROPPED_ROWS = 10  # row numbers kept in the report; the counts cover every dropped row
 
 
 class TranscriptError(ValueError):
     """A transcript is not an alternating Human / Assistant conversation; the message says what is wrong."""
-
-
-class _BadRow(Exception):
-    """One row's problem: `reason` keys the report's `dropped` counts, the message says what is wrong."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 def _turns(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -110,12 +97,12 @@ def conversation_key(prompt: list[dict]) -> str:
 
 
 def _pair(row: object, kind: str) -> dict:
-    """One row as a pair; raises _BadRow."""
+    """One row as a pair; raises BadRow."""
     if not isinstance(row, dict):
-        raise _BadRow("not_an_object", f"expected an object with fields {HH_FIELDS}")
+        raise BadRow("not_an_object", f"expected an object with fields {HH_FIELDS}")
     for name in HH_FIELDS:
         if not isinstance(row.get(name), str) or not row[name].strip():
-            raise _BadRow(f"missing:{name}", f"field '{name}' is missing or not a non-empty string")
+            raise BadRow(f"missing:{name}", f"field '{name}' is missing or not a non-empty string")
     # The two copies must agree before the last reply; compared first, so a copy whose last reply was cut into
     # two Assistant turns is reported as the disagreement it is rather than as a broken transcript.
     turns = {name: _turns(row[name])[1] for name in HH_FIELDS}
@@ -123,7 +110,7 @@ def _pair(row: object, kind: str) -> dict:
     if all(turns.values()) and before["chosen"] != before["rejected"]:
         at = next((n for n, (a, b) in enumerate(zip(before["chosen"], before["rejected"]), start=1) if a != b),
                   min(len(before["chosen"]), len(before["rejected"])) + 1)
-        raise _BadRow("different_prompts", f"'chosen' and 'rejected' differ before the last Assistant turn (first "
+        raise BadRow("different_prompts", f"'chosen' and 'rejected' differ before the last Assistant turn (first "
                                            f"at turn {at}; {len(before['chosen'])} and {len(before['rejected'])} "
                                            "turns before it)")
     sides = {}
@@ -131,10 +118,10 @@ def _pair(row: object, kind: str) -> dict:
         try:
             sides[name] = parse_transcript(row[name])
         except TranscriptError as err:
-            raise _BadRow(f"bad_transcript:{name}", f"field '{name}': {err}") from None
+            raise BadRow(f"bad_transcript:{name}", f"field '{name}': {err}") from None
     chosen, rejected = sides["chosen"], sides["rejected"]
     if chosen[-1]["content"] == rejected[-1]["content"]:
-        raise _BadRow("identical_replies", "'chosen' and 'rejected' end with the same Assistant reply")
+        raise BadRow("identical_replies", "'chosen' and 'rejected' end with the same Assistant reply")
     prompt = chosen[:-1]
     return {"prompt": prompt, "chosen": chosen[-1:], "rejected": rejected[-1:], "family": "hh_rlhf", "kind": kind,
             "conversation": conversation_key(prompt)}
@@ -153,25 +140,14 @@ def hh_pairs(rows: list[dict], source: str, on_bad_row: str = "error",
     >>> pairs[0]["prompt"], pairs[0]["rejected"], report["dropped"], report["dropped_rows"]
     ([{'role': 'user', 'content': 'Hi'}], [{'role': 'assistant', 'content': 'Go away'}], {'identical_replies': 1}, [2])
     """
-    if on_bad_row not in ON_BAD_ROW:
-        raise ValueError(f"reward_model.pairs.on_bad_row '{on_bad_row}' is not one of {', '.join(ON_BAD_ROW)}")
-    pairs, dropped, dropped_rows = [], Counter(), []
+    bad_rows = BadRows(source, on_bad_row, quiet)
+    pairs = []
     for i, row in enumerate(rows, start=1):
         try:
             pairs.append(_pair(row, kind))
-        except _BadRow as bad:
-            if on_bad_row == "error":
-                raise DataError(f"{source}: row {i}: {bad.reason}: {bad}") from None
-            dropped[bad.reason] += 1
-            if len(dropped_rows) < MAX_DROPPED_ROWS:
-                dropped_rows.append(i)
-    if dropped and not quiet:  # quiet: a caller that reports each bad row itself (the data check)
-        reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(dropped.items()))
-        log.warning("%s: dropped %d of %d rows as bad (%s); first dropped rows: %s", source, sum(dropped.values()),
-                    len(rows), reasons, ", ".join(map(str, dropped_rows)))
-    report = {"rows_read": len(rows), "pairs": len(pairs), "skipped": {}, "dropped": dict(dropped),
-              "dropped_rows": dropped_rows}
-    return pairs, report
+        except BadRow as bad:
+            bad_rows.add(i, bad, f"{bad.reason}: {bad}")
+    return pairs, {"rows_read": len(rows), "pairs": len(pairs), "skipped": {}, **bad_rows.report(len(rows))}
 
 
 def split_by_conversation(pairs: list[dict], n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:

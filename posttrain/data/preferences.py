@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
 from numbers import Integral
 from pathlib import Path
 
+from posttrain.data.bad_rows import BadRow, BadRows
 from posttrain.data.dolly import DataError, read_rows
 from posttrain.data.hh_rlhf import SUBSETS, hh_pairs, split_by_conversation
 from posttrain.data.tiny_safety import safety_pairs
@@ -34,19 +34,9 @@ PKU_FIELDS = ("prompt", "response_0", "response_1")
 ID_LABELS = ("safer_response_id", "better_response_id")
 SAFE_LABELS = ("is_response_0_safe", "is_response_1_safe")
 PREFERENCES = ("safer", "better", "safe_vs_unsafe")
-ON_BAD_ROW = ("error", "drop")
 # Labels a mode cannot do without; the others are still checked when a row has them, since a malformed label
 # means the row is suspect even if this mode does not read it.
 REQUIRED_LABELS = {"safer": ("safer_response_id",), "better": ("better_response_id",), "safe_vs_unsafe": SAFE_LABELS}
-MAX_DROPPED_ROWS = 10  # row numbers kept in the report; the counts cover every dropped row
-
-
-class _BadRow(Exception):
-    """One row's problem: `reason` keys the report's `dropped` counts, the message names the field."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 def _check_option(name: str, value: str, valid: tuple[str, ...]) -> None:
@@ -63,16 +53,16 @@ def _label(row: dict, name: str, required: bool) -> int | None:
     if isinstance(value, Integral) and value in (0, 1) and (flag or not isinstance(value, bool)):
         return int(value)
     reason = "missing" if value is None else "bad_label"
-    raise _BadRow(f"{reason}:{name}", f"field '{name}' must be {'true/false or ' if flag else ''}0 or 1, got {value!r}")
+    raise BadRow(f"{reason}:{name}", f"field '{name}' must be {'true/false or ' if flag else ''}0 or 1, got {value!r}")
 
 
 def _choose(row: object, preference: str) -> int | None:
-    """Index (0 or 1) of the chosen response; None when `safe_vs_unsafe` skips the row. Raises _BadRow."""
+    """Index (0 or 1) of the chosen response; None when `safe_vs_unsafe` skips the row. Raises BadRow."""
     if not isinstance(row, dict):
-        raise _BadRow("not_an_object", f"expected an object with fields {PKU_FIELDS + REQUIRED_LABELS[preference]}")
+        raise BadRow("not_an_object", f"expected an object with fields {PKU_FIELDS + REQUIRED_LABELS[preference]}")
     for name in PKU_FIELDS:
         if not isinstance(row.get(name), str) or not row[name].strip():
-            raise _BadRow(f"missing:{name}", f"field '{name}' is missing or not a non-empty string")
+            raise BadRow(f"missing:{name}", f"field '{name}' is missing or not a non-empty string")
     labels = {name: _label(row, name, name in REQUIRED_LABELS[preference]) for name in ID_LABELS + SAFE_LABELS}
     safe = [labels[name] for name in SAFE_LABELS]
     if preference == "safe_vs_unsafe":
@@ -80,13 +70,13 @@ def _choose(row: object, preference: str) -> int | None:
             return None
         choice, safer = safe.index(1), labels["safer_response_id"]
         if safer is not None and safer != choice:
-            raise _BadRow("contradictory_labels", f"field 'safer_response_id' is {safer}, but response_{safer} is "
+            raise BadRow("contradictory_labels", f"field 'safer_response_id' is {safer}, but response_{safer} is "
                                                   f"flagged unsafe and response_{choice} safe")
         return choice
     choice = labels[f"{preference}_response_id"]
     # Helpfulness may rightly prefer the unsafe reply, so only `safer` is held to the safety flags.
     if preference == "safer" and safe[choice] == 0 and safe[1 - choice] == 1:
-        raise _BadRow("contradictory_labels", f"field 'safer_response_id' is {choice}, but {SAFE_LABELS[choice]} is "
+        raise BadRow("contradictory_labels", f"field 'safer_response_id' is {choice}, but {SAFE_LABELS[choice]} is "
                                               f"false and {SAFE_LABELS[1 - choice]} is true")
     return choice
 
@@ -104,17 +94,13 @@ def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
     ([{'role': 'assistant', 'content': 'b'}], 'safer', 1)
     """
     _check_option("preference", preference, PREFERENCES)
-    _check_option("on_bad_row", on_bad_row, ON_BAD_ROW)
-    pairs, skipped, dropped, dropped_rows = [], 0, Counter(), []
+    bad_rows = BadRows(source, on_bad_row, quiet)
+    pairs, skipped = [], 0
     for i, row in enumerate(rows, start=1):
         try:
             choice = _choose(row, preference)
-        except _BadRow as bad:
-            if on_bad_row == "error":
-                raise DataError(f"{source}: row {i}: {bad}") from None
-            dropped[bad.reason] += 1
-            if len(dropped_rows) < MAX_DROPPED_ROWS:
-                dropped_rows.append(i)
+        except BadRow as bad:
+            bad_rows.add(i, bad, str(bad))
             continue
         if choice is None:
             skipped += 1
@@ -126,15 +112,11 @@ def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
             "family": "pku_saferlhf",
             "kind": preference,
         })
-    if dropped and not quiet:  # quiet: a caller that reports each bad row itself (the data check)
-        reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(dropped.items()))
-        log.warning("%s: dropped %d of %d rows as bad (%s); first dropped rows: %s", source, sum(dropped.values()),
-                    len(rows), reasons, ", ".join(map(str, dropped_rows)))
+    dropped = bad_rows.report(len(rows))
     if skipped and not quiet:
         log.info("%s: %s skipped %d rows without exactly one safe response", source, preference, skipped)
-    report = {"rows_read": len(rows), "pairs": len(pairs), "skipped": {"not_exactly_one_safe": skipped},
-              "dropped": dict(dropped), "dropped_rows": dropped_rows}
-    return pairs, report
+    return pairs, {"rows_read": len(rows), "pairs": len(pairs), "skipped": {"not_exactly_one_safe": skipped},
+                   **dropped}
 
 
 def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
