@@ -4,14 +4,13 @@ import json
 
 from posttrain.config import compose
 from posttrain.evaluation.run import recorded_eval
+from posttrain.evaluation.scorecard import recordable
 
 
 def scored_run(tmp_path, overrides):
     cfg = compose(overrides)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    from posttrain.evaluation.scorecard import recordable
-
     (run_dir / "scorecard.json").write_text(json.dumps({"eval_config": recordable(cfg.eval), "seed": cfg.seed}))
     return run_dir
 

@@ -20,6 +20,7 @@ from posttrain.data.dolly import DataError, read_rows
 from posttrain.data.hh_rlhf import (TranscriptError, conversation_key, hh_pairs, parse_transcript,
                                     split_by_conversation)
 from posttrain.data.preferences import load_pairs
+from posttrain.data.startup import pair_jobs
 from tests.conftest import shared_path
 
 
@@ -286,8 +287,6 @@ def test_the_shared_harmless_base_test_file():
 def test_the_stage_start_up_check_holds_hh_pairs_to_their_own_card(tmp_path):
     """reward_model / dpo with source hh_rlhf check their rows against data_cards/hh-rlhf.md (not PKU's, whose
     `prompt` column these rows lack), with the recipe's bad-row policy; the mapped pairs skip the bad row."""
-    from posttrain.data.startup import pair_jobs
-
     rows = [hh_row(("hello",), f"reply {i}", f"other {i}") for i in range(4)] + [{"chosen": "no turns", "rejected": "none here"}]
     path = write_gz(tmp_path / "pairs.jsonl.gz", rows)
     for policy in ("drop", "error"):

@@ -10,6 +10,7 @@ from posttrain import config as config_mod
 from posttrain.config import RecipeError, compose
 from posttrain.evaluation.report import quantization_plot
 from posttrain.evaluation.scorecard import render_quantization
+from posttrain.stages import quantize as stage
 from posttrain.stages.quantize import COMPARED_FORMATS, format_error_table, format_label, variant_settings
 
 NEW_LABELS = {"fp16", "fp8_e5m2", "fp4 g32", "mxfp4", "nvfp4"}
@@ -84,8 +85,6 @@ def test_scorecard_and_report_print_the_new_labels():
 def test_a_large_models_format_error_table_is_measured_on_sampled_rows(monkeypatch):
     """Past ERROR_TABLE_FULL_PARAMS each weight's table entry comes from ERROR_TABLE_ROWS evenly spaced rows: the
     figures stay within a few percent of the full table's, and the stage records how many rows it used."""
-    from posttrain.stages import quantize as stage
-
     torch.manual_seed(0)
     originals = {f"layer{i}": torch.randn(1024, 256) * (1 + i) for i in range(3)}
     full = stage.format_error_table(originals)
