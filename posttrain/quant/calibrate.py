@@ -10,6 +10,7 @@ keyed like the checkpoint as "...mlp.experts.{j}.gate_proj" etc. Never quantized
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -178,15 +179,42 @@ def _expert_hessian_hook(gate_up: list[HessianAccumulator], down: list[HessianAc
     return hook
 
 
-def _hook_hessians(layer: nn.Module, prefix: str) -> tuple[dict[str, HessianAccumulator], list]:
+class _SharedInputs:
+    """Forward pre-hooks that give every quantization target of a layer the Hessian of its input, one accumulator
+    per distinct input tensor: q_proj, k_proj and v_proj read the same normed hidden states, as do gate_proj and
+    up_proj, so their Hessian is summed once and GPTQ runs once on their weights stacked by rows (`_quantize_group`).
+    Which linears share an input is read from the first call (the same tensor object reaches each of them)."""
+
+    def __init__(self):
+        self.by_name: dict[str, HessianAccumulator] = {}
+        self._added: list[tuple[torch.Tensor, HessianAccumulator]] = []  # this call's inputs, held until end_call
+
+    def pre_hook(self, name: str, in_features: int):
+        def hook(module, args):
+            x = args[0]
+            accumulator = self.by_name.get(name)
+            if accumulator is None:
+                accumulator = next((a for seen, a in self._added if seen is x), None)
+                accumulator = self.by_name[name] = accumulator or HessianAccumulator(in_features)
+            if not any(seen is x and a is accumulator for seen, a in self._added):
+                accumulator.add(x)
+                self._added.append((x, accumulator))
+
+        return hook
+
+    def end_call(self) -> None:
+        self._added.clear()
+
+
+def _hook_hessians(layer: nn.Module, prefix: str) -> tuple[dict[str, HessianAccumulator], _SharedInputs, list]:
     """Hooks that accumulate the input Hessian of every quantization target of `layer` while it runs.
 
-    Returns ({full name: accumulator}, hook handles); gate_proj and up_proj of a fused expert share one.
+    Returns ({full name: accumulator} for the fused experts, the linears' shared-input hooks, hook handles); gate_proj
+    and up_proj of a fused expert share one accumulator, as linears that read the same input do.
     """
-    accumulators, handles = {}, []
+    accumulators, handles, shared = {}, [], _SharedInputs()
     for name, linear in quantizable_linears(layer).items():
-        accumulator = accumulators[f"{prefix}.{name}"] = HessianAccumulator(linear.in_features)
-        handles.append(linear.register_forward_pre_hook(lambda module, args, acc=accumulator: acc.add(args[0])))
+        handles.append(linear.register_forward_pre_hook(shared.pre_hook(f"{prefix}.{name}", linear.in_features)))
     experts = fused_experts(layer)
     if experts is not None:
         n_experts, _, hidden_size = experts.gate_up_proj.shape
@@ -197,7 +225,37 @@ def _hook_hessians(layer: nn.Module, prefix: str) -> tuple[dict[str, HessianAccu
             accumulators.update({f"{base}.gate_proj": gate_up[j], f"{base}.up_proj": gate_up[j],
                                  f"{base}.down_proj": down[j]})
         handles.append(experts.register_forward_pre_hook(_expert_hessian_hook(gate_up, down), with_kwargs=True))
-    return accumulators, handles
+    return accumulators, shared, handles
+
+
+def _shared_hessian_groups(targets: dict[str, torch.Tensor], accumulators: dict[str, HessianAccumulator]
+                           ) -> list[tuple[HessianAccumulator, list[str]]]:
+    """The targets grouped by their accumulator, in target order; a target the calibration never reached (an expert
+    no token was routed to) gets an empty accumulator of its own: every input then counts as dead."""
+    groups: dict[int, tuple[HessianAccumulator, list[str]]] = {}
+    for name, weight in targets.items():
+        accumulator = accumulators.get(name) or HessianAccumulator(weight.shape[1])
+        groups.setdefault(id(accumulator), (accumulator, []))[1].append(name)
+    return list(groups.values())
+
+
+def _quantize_group(weights: list[torch.Tensor], hessian: torch.Tensor, fmt, group_size, symmetric, damp,
+                    act_order) -> list[QuantizedWeight]:
+    """GPTQ on weights that share one input Hessian, stacked by rows and run once: GPTQ treats each output row
+    on its own (its error is spread over its own later columns, its scales are its own), so the stack gives each
+    weight the codes it would get alone, in one column loop instead of one per weight."""
+    if len(weights) == 1:
+        return [gptq_quantize(weights[0], hessian, fmt, group_size, symmetric, damp=damp, act_order=act_order)]
+    whole = gptq_quantize(torch.cat([w.detach() for w in weights]), hessian, fmt, group_size, symmetric, damp=damp,
+                          act_order=act_order)
+    parts, start = [], 0
+    for weight in weights:
+        rows = slice(start, start + weight.shape[0])
+        parts.append(replace(whole, qweight=whole.qweight[rows].clone(), scale=whole.scale[rows].clone(),
+                             zero=None if whole.zero is None else whole.zero[rows].clone(),
+                             shape=(weight.shape[0], whole.shape[1])))
+        start = rows.stop
+    return parts
 
 
 @torch.no_grad()
@@ -210,17 +268,20 @@ def _gptq_model(model, layers, prefixes, targets_per_layer, fmt, group_size, sym
         # The layer's input comes from the quantized layers before it, but inside the layer every linear's
         # Hessian is taken with the layer still in float (one pass; GPTQ's "true sequential" option would re-run
         # the layer after quantizing q/k/v, then o, then gate/up).
-        accumulators, handles = _hook_hessians(layer, prefix)
+        accumulators, shared, handles = _hook_hessians(layer, prefix)
         try:
             for hidden, (args, kwargs) in zip(hidden_per_batch, calls[index]):
                 layer(hidden, *args, **kwargs)
+                shared.end_call()
         finally:
             for handle in handles:
                 handle.remove()
-        for name, weight in targets.items():
-            results[name] = gptq_quantize(weight, accumulators[name].hessian(), fmt, group_size, symmetric,
-                                          damp=damp, act_order=act_order)
-            _write_back(weight, results[name])
+        for accumulator, names in _shared_hessian_groups(targets, {**shared.by_name, **accumulators}):
+            quantized = _quantize_group([targets[name] for name in names], accumulator.hessian(), fmt, group_size,
+                                        symmetric, damp, act_order)
+            for name, q in zip(names, quantized):
+                results[name] = q
+                _write_back(targets[name], q)
         # The next layer calibrates on what this layer outputs once quantized, as GPTQ does.
         hidden_per_batch = [layer_output(layer(hidden, *args, **kwargs))
                             for hidden, (args, kwargs) in zip(hidden_per_batch, calls[index])]

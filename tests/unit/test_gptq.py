@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.quant.calibrate import _hook_hessians, quantization_targets, quantize_model
+from posttrain.quant.calibrate import _hook_hessians, _quantize_group, quantization_targets, quantize_model
 from posttrain.quant.formats import QuantizedWeight, dequantize_weight, quantize_weight
 from posttrain.quant.gptq import HessianAccumulator, gptq_quantize
 
@@ -282,7 +282,7 @@ def test_expert_hessians_come_from_routed_tokens(tiny_qwen3_moe):
     hidden = torch.randn(40, 32, generator=gen)
     # [tokens, 2] distinct experts per token, drawn from 0..2: expert 3 gets no tokens.
     top_k_index = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(40)])
-    accumulators, handles = _hook_hessians(layer, "L")
+    accumulators, _, handles = _hook_hessians(layer, "L")
     with torch.no_grad():
         experts(hidden, top_k_index, torch.full((40, 2), 0.5))
     for handle in handles:
@@ -296,6 +296,53 @@ def test_expert_hessians_come_from_routed_tokens(tiny_qwen3_moe):
             torch.testing.assert_close(accumulators[f"L.mlp.experts.{j}.{name}"].hessian().double(), expected,
                                        rtol=1e-4, atol=1e-6)
     assert accumulators["L.mlp.experts.3.down_proj"].n_tokens == 0
+
+
+def test_linears_reading_one_input_share_one_hessian(tiny_qwen3):
+    """q/k/v read the same normed hidden states and gate/up the same ones: one accumulator each, summed once per
+    call, equal to the Hessian of that input; o_proj and down_proj read their own inputs."""
+    layer = tiny_qwen3.model.layers[0]
+    seen = {}
+    recorders = [layer.get_submodule(part).register_forward_pre_hook(
+        lambda module, args, part=part: seen.setdefault(part, []).append(args[0].detach().clone()))
+        for part in PROJECTIONS]
+    accumulators, shared, handles = _hook_hessians(layer, "L")
+    ids = torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(5))
+    try:
+        with torch.no_grad():
+            for row in ids:  # three calls, as GPTQ's calibration batches
+                tiny_qwen3(row[None])
+                shared.end_call()
+    finally:
+        for handle in handles + recorders:
+            handle.remove()
+    assert accumulators == {}  # no fused experts here
+    by_name = {name.removeprefix("L."): accumulator for name, accumulator in shared.by_name.items()}
+    assert by_name["self_attn.q_proj"] is by_name["self_attn.k_proj"] is by_name["self_attn.v_proj"]
+    assert by_name["mlp.gate_proj"] is by_name["mlp.up_proj"]
+    assert len({id(a) for a in by_name.values()}) == 4  # qkv, o, gate/up, down
+    for name in PROJECTIONS:
+        x = torch.cat([h.reshape(-1, h.shape[-1]) for h in seen[name]]).double()
+        assert by_name[name].n_tokens == x.shape[0] == 30
+        torch.testing.assert_close(by_name[name].hessian().double(), 2 * x.T @ x / 30, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "symmetric", "act_order"),
+                         [("int4", 32, False, False), ("int4", 32, True, True), ("int8", None, True, False)])
+def test_stacked_weights_get_the_codes_each_gets_alone(fmt, group_size, symmetric, act_order):
+    """GPTQ on [q; k; v] stacked by rows gives each weight the codes, scales and zeros it gets on its own."""
+    x = correlated_inputs(256, 64, seed=6)
+    hessian = 2 * x.T @ x / x.shape[0]
+    weights = [random_weight(rows, 64, seed) for rows, seed in ((48, 1), (16, 2), (16, 3))]
+    stacked = _quantize_group(weights, hessian, fmt, group_size, symmetric, 0.01, act_order)
+    for weight, together in zip(weights, stacked):
+        alone = gptq_quantize(weight, hessian, fmt, group_size, symmetric, damp=0.01, act_order=act_order)
+        assert together.shape == alone.shape == tuple(weight.shape)
+        assert torch.equal(together.qweight, alone.qweight)
+        torch.testing.assert_close(together.scale, alone.scale, rtol=0, atol=0)
+        assert (together.zero is None) == (alone.zero is None)
+        if alone.zero is not None:
+            assert torch.equal(together.zero, alone.zero)
 
 
 def test_quantize_model_bad_arguments(tiny_qwen3):
