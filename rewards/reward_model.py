@@ -53,18 +53,26 @@ class RewardModelScorer:
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         import torch
+        from tqdm.auto import tqdm
 
         texts = self.texts(prompts, completions)
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length, add_special_tokens=False)["input_ids"]
+        # Batches of similar lengths, so that a batch pads to little more than its own rows (scored in the callers'
+        # order all the same): on 800 HH-RLHF replies of 20-1000 tokens, in batches of 8, padding to each batch's
+        # longest row in the given order spent most of the forward passes on pad tokens.
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        starts = range(0, len(order), self.batch_size)
         was_training = self.model.training
         self.model.eval()
-        scores: list[float] = []
+        scores: list[float] = [0.0] * len(ids)
         try:
-            for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                                       padding_side="right", truncation=True, max_length=self.max_length,
-                                       add_special_tokens=False).to(self.model.device)
+            for start in tqdm(starts, desc="reward model", unit="batch", disable=len(starts) < 8, leave=False):
+                rows = order[start : start + self.batch_size]
+                batch = self.tokenizer.pad({"input_ids": [ids[i] for i in rows]}, padding=True, padding_side="right",
+                                           return_tensors="pt").to(self.model.device)
                 with torch.no_grad():
-                    scores += self.model(**batch).logits[:, 0].float().tolist()
+                    for i, score in zip(rows, self.model(**batch).logits[:, 0].float().tolist()):
+                        scores[i] = score
         finally:
             self.model.train(was_training)
         return scores

@@ -34,6 +34,18 @@ def test_scores_conversations_and_plain_text_with_a_model_given_by_path(tmp_path
     assert scorer(prompts=["Q: 3+4? A:"], completions=[" 7"]) != scores[:1]  # plain text is joined as is
 
 
+def test_length_sorted_batches_give_each_row_its_own_score_in_the_callers_order(tmp_path, tiny_tokenizer):
+    """Rows are batched by length, not in the order given: each score still lands on its own row."""
+    scorer = RewardModelScorer(save_classifier(tmp_path / "rm", tiny_tokenizer), batch_size=3)
+    replies = ["7", "The answer is 7 because three plus four is seven.", "It is 7.", "Seven, that is 3 + 4.", "7!",
+               "Three and four make seven, so the answer is 7, which I checked twice.", "7."]
+    prompts = [[{"role": "user", "content": "What is 3 plus 4?"}]] * len(replies)
+    together = scorer(prompts=prompts, completions=replies)
+    alone = [scorer(prompts=[p], completions=[r])[0] for p, r in zip(prompts, replies)]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(s, 6) for s in alone)) == len(replies)  # distinct scores: a swap would show
+
+
 def test_a_model_with_more_than_one_output_is_refused(tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match="num_labels=1"):
         RewardModelScorer(save_classifier(tmp_path / "cls", tiny_tokenizer, num_labels=3))
