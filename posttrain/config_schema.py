@@ -51,6 +51,10 @@ class DataCfg:
     hub_id: str | None = None
     split: str = "train"
     limit: int | None = None
+    # real data: the last N rows are held out. SFT does not train on them and quantize does not calibrate on them;
+    # SFT's before/after perplexity and quantize's perplexity against its parent are measured on them. The tiny
+    # world holds out its own test split instead.
+    held_out: int = 0
     seed: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
     pretrain_rows: int = 6000

@@ -8,10 +8,11 @@ stage's own functions: `quantize_model` (damp from the quantize recipe), `calibr
 stream, cut into sequences of `quantize.calibration_length` tokens) and `perplexity` (assistant tokens only).
 
 Held-out text: the stage's `held_out_rows` of `data=dolly` on ../shared/data/dolly/dolly15k_sample_transcribed.jsonl
-(its last `quantize.eval_rows` = 200 rows: all 49), rendered with the chat template and the assistant mask.
+(`data.held_out=48`: the last 48 of its 49 rows, the most a file can hold out), rendered with the chat
+template and the assistant mask.
 Calibration (GPTQ, AWQ): the 151 Alpaca-format Dolly rows in the same folder, turned back into Dolly rows and
-rendered as conversations the same way, minus any whose instruction is also a held-out row's. The stage would
-calibrate on rows[:calibration_rows] of the held-out file itself; on a 49-row file that is the held-out text.
+rendered as conversations the same way, minus any whose instruction is also a held-out row's. The stage itself
+calibrates on the rows the data does not hold out, which on a 49-row file leaves few.
 "256 rows" asks for the stage's default and gets what the file has (149 rows). Prints a table; asserts nothing.
 About 80 minutes on one thread: round to nearest takes seconds, GPTQ 4-10 minutes, AWQ ~22 minutes a variant,
 each perplexity ~40 s.
@@ -72,7 +73,8 @@ def run_variant(name: str, location, held_out_ids, calib_rows, tokenizer, block,
     from transformers import AutoModelForCausalLM
 
     from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
-    from posttrain.stages.quantize import calibration_ids, format_label, layer_errors, perplexity
+    from posttrain.models.likelihood import perplexity
+    from posttrain.stages.quantize import calibration_ids, format_label, layer_errors
 
     method, group, symmetric, n_rows = VARIANTS[name]
     model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
@@ -111,9 +113,10 @@ def main() -> None:
     from posttrain.config import compose
     from posttrain.data.chat_rows import tokenize_rows
     from posttrain.models.loading import load_tokenizer, model_location
-    from posttrain.stages.quantize import held_out_rows, perplexity
+    from posttrain.models.likelihood import perplexity
+    from posttrain.stages.quantize import held_out_rows
 
-    cfg = compose(["model=smollm2-135m", "data=dolly", f"data.path={HELD_OUT}"])
+    cfg = compose(["model=smollm2-135m", "data=dolly", f"data.path={HELD_OUT}", "data.held_out=48"])
     block = cfg.quantize
     location = model_location(cfg.model, None)
     tokenizer = load_tokenizer(location)

@@ -12,20 +12,39 @@ from posttrain.data.dolly import load_dolly
 from posttrain.data.tiny_world import sft_rows
 
 
-def load_rows(data_cfg) -> tuple[list[dict], dict]:
-    """Conversation rows for training and the dataset record that goes into the manifest."""
+def load_rows(data_cfg, part: str = "train") -> tuple[list[dict], dict]:
+    """Conversation rows of one part, "train" or "held_out", and the dataset record that goes into the manifest.
+
+    The tiny world's held-out part is its test split. A real dataset's is its last `data.held_out` rows, which the
+    train part leaves out; with `data.held_out: 0` it has none, and asking for it is an error.
+    """
+    if part not in ("train", "held_out"):
+        raise ValueError(f"load_rows: part {part!r} is not one of train, held_out")
     if data_cfg.name == "tiny":
-        rows = sft_rows("train", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
-                        data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
-        source, card = "tiny_world/sft", "data_cards/tiny_world.md"
+        rows = sft_rows("train" if part == "train" else "test", dict(data_cfg.counts), data_cfg.seed,
+                        data_cfg.arith_slip_rate, data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
+        source, card = f"tiny_world/sft{'' if part == 'train' else '/test'}", "data_cards/tiny_world.md"
     elif data_cfg.name == "dolly":
         rows, source = load_dolly(data_cfg.path, data_cfg.hub_id, data_cfg.split, data_cfg.limit)
+        rows, source = _split_held_out(rows, source, getattr(data_cfg, "held_out", 0), part)
         card = "data_cards/databricks-dolly-15k.md"
     else:
         raise ValueError(f"data.name '{data_cfg.name}' is not one of tiny, dolly")
     record = {"id": source, "card": card, "rows": len(rows),
               "content_sha256": sha256_json([r["messages"] for r in rows])}
     return rows, record
+
+
+def _split_held_out(rows: list[dict], source: str, held_out: int, part: str) -> tuple[list[dict], str]:
+    if held_out < 0 or held_out >= len(rows):
+        raise ValueError(f"data.held_out={held_out}: {source} has {len(rows)} rows; hold out 0 to {len(rows) - 1} "
+                         f"of them")
+    if part == "train":
+        return rows[: len(rows) - held_out], source
+    if held_out == 0:
+        raise ValueError(f"{source}: no held-out rows (data.held_out is 0): set data.held_out to the number of last "
+                         f"rows no stage trains or calibrates on")
+    return rows[len(rows) - held_out :], f"{source} (held out: last {held_out} rows)"
 
 
 def tokenize_rows(rows, tokenizer, source: str, max_length: int | None, template_kwargs: dict):

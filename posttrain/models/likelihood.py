@@ -1,4 +1,5 @@
-"""The likelihood-shift report: how DPO moved the chosen and rejected replies of held-out pairs.
+"""Likelihoods of held-out replies: the perplexity of held-out rows (SFT before and after, quantize against its
+parent), and the likelihood-shift report: how DPO moved the chosen and rejected replies of held-out pairs.
 
 For each pair, the log-probability of the chosen and of the rejected reply given the prompt, under the reference
 (the parent) and under the trained policy. The report gives the mean per-token log-probability of each, before and
@@ -10,6 +11,8 @@ generation prompt, then prompt + reply; the reply is what follows their common p
 """
 
 from __future__ import annotations
+
+import math
 
 from tqdm.auto import tqdm
 
@@ -91,3 +94,25 @@ def render_shift(report: dict) -> str:
             f"rejected {r['reference']:.3f} -> {r['policy']:.3f} ({r['shift']:+.3f}); "
             f"implicit reward accuracy {report['implicit_reward_accuracy']:.3f}, "
             f"margin {report['implicit_reward_margin']:.3f} ({report['held_out_pairs']} held-out pairs)")
+
+
+def perplexity(model, sequences: list[tuple[list[int], list[int]]]) -> float:
+    """exp(mean NLL) of the assistant tokens of each held-out (ids, assistant mask): the replies the model was
+    trained to write. Prompt tokens are left out: the tiny world's prompts hold random words no model predicts."""
+    import torch
+
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for ids, mask in sequences:
+                x = torch.tensor([ids], device=model.device)
+                logits = model(x).logits[0, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
+                keep = torch.tensor(mask[1:], dtype=torch.bool, device=nll.device)
+                total += nll[keep].sum().item()
+                count += int(keep.sum())
+    finally:
+        model.train(was_training)
+    return math.exp(total / count)

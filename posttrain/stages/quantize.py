@@ -15,7 +15,6 @@ llama-quantize gives its `gguf_type` (q8_0, q4_0, q4_1, q4_k_m), with the same r
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import tempfile
 from collections import Counter
@@ -24,7 +23,7 @@ from pathlib import Path
 from posttrain import training
 from posttrain.artifacts import read_manifest, sha256_json, write_manifest
 from posttrain.data.chat_rows import load_rows, tokenize_rows
-from posttrain.data.tiny_world import sft_rows
+from posttrain.models.likelihood import perplexity
 from posttrain.models.loading import load_gguf_model, load_tokenizer, model_location
 from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
 from posttrain.quant.export import export_quantized
@@ -61,23 +60,6 @@ def calibration_ids(tokenizer, rows: list[dict], length: int):
     if n == 0:
         raise ValueError(f"calibration rows hold {len(stream)} tokens, fewer than one sequence of {length}")
     return torch.tensor(stream[: n * length]).view(n, length)
-
-
-def perplexity(model, sequences: list[tuple[list[int], list[int]]]) -> float:
-    """exp(mean NLL) of the assistant tokens of each held-out (ids, assistant mask): the replies the model was
-    trained to write. Prompt tokens are left out: the tiny world's prompts hold random words no model predicts."""
-    import torch
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, mask in sequences:
-            x = torch.tensor([ids])
-            logits = model(x).logits[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
-            keep = torch.tensor(mask[1:], dtype=torch.bool)
-            total += nll[keep].sum().item()
-            count += int(keep.sum())
-    return math.exp(total / count)
 
 
 def layer_errors(originals: dict, quantized: dict) -> list[dict]:
@@ -155,10 +137,10 @@ def main(cfg, run: StageRun) -> dict:
         raise ValueError("the quantize stage needs a parent artifact (parent=<stage dir>)")
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
-    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
-    rows, record = load_rows(cfg.data)
-    calib = calibration_ids(tokenizer, rows[: block["calibration_rows"]], block["calibration_length"])
+    rows, record = load_rows(cfg.data)  # the training part: calibration never sees a held-out row
     held_out = held_out_rows(cfg.data, block["eval_rows"])
+    calib = calibration_ids(tokenizer, rows[: block["calibration_rows"]], block["calibration_length"])
+    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
     ids, masks, _ = tokenize_rows(held_out, tokenizer, "held-out", None, {})
     held_out_ids = list(zip(ids, masks))
     parent_ppl = perplexity(model, held_out_ids)
@@ -212,14 +194,10 @@ def main(cfg, run: StageRun) -> dict:
 
 
 def held_out_rows(data_cfg, n: int) -> list[dict]:
-    """Held-out rows of the same data: the tiny world's test split, or the tail of a real dataset's rows."""
-    if data_cfg.name == "tiny":
-        rows = sft_rows("test", dict(data_cfg.counts), data_cfg.seed, data_cfg.arith_slip_rate,
-                        data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
-        return rows[:n]
-
-    rows, _ = load_rows(data_cfg)
-    return rows[-n:]
+    """Up to n held-out rows: the tiny world's test split, or the rows a real dataset holds out (`data.held_out`),
+    which neither SFT nor this stage's calibration saw."""
+    rows, _ = load_rows(data_cfg, "held_out")
+    return rows[:n]
 
 
 def held_out_record(rows: list[dict]) -> dict:

@@ -12,6 +12,7 @@ import logging
 from posttrain import sharding, training
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.data.startup import sft_jobs, startup_check
+from posttrain.models.likelihood import perplexity
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
@@ -59,6 +60,7 @@ def main(cfg, run: StageRun) -> dict:
         len(ids), dropped, n_tokens, 100 * trained_fraction,
     )
     dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
+    held_out = HeldOutPerplexity.before(cfg.data, model, tokenizer, template_kwargs)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
@@ -83,15 +85,18 @@ def main(cfg, run: StageRun) -> dict:
     elif peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
         model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter",
                                     check=require_trained_adapters)
+    held_out_metrics = held_out.after(model) if held_out is not None and model is not None else {}
     metrics = {
         **training.train_metrics(trainer),
         **moe.metrics(),
+        **held_out_metrics,
         "rows": len(ids),
         "rows_dropped_by_max_length": dropped,
         "tokens": n_tokens,
         "assistant_token_fraction": trained_fraction,
     }
-    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
+    datasets = [record] + ([held_out.record] if held_out is not None else [])
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=datasets, metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location)})
 
 
@@ -101,3 +106,28 @@ def require_trained_adapters(model) -> None:
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     if not lora_b or all(torch.count_nonzero(p) == 0 for p in lora_b):
         raise RuntimeError("sft: LoRA B matrices are still zero after training: the adapters got no gradient")
+
+
+class HeldOutPerplexity:
+    """The perplexity of a real dataset's held-out rows (`data.held_out`) under the parent and the trained model.
+    Rows are measured whole, as quantize measures them: a reply cut at max_length would leave rows out."""
+
+    def __init__(self, sequences: list, record: dict, before: float):
+        self.sequences, self.record, self.before_value = sequences, {**record, "role": "perplexity"}, before
+
+    @classmethod
+    def before(cls, data_cfg, model, tokenizer, template_kwargs: dict) -> HeldOutPerplexity | None:
+        if data_cfg.name == "tiny" or data_cfg.get("held_out", 0) == 0:
+            return None
+        rows, record = load_rows(data_cfg, "held_out")
+        ids, masks, _ = tokenize_rows(rows, tokenizer, record["id"], None, template_kwargs)
+        with sharding.whole_weights(model):  # ZeRO-3 partitioned the weights at load
+            return cls(list(zip(ids, masks)), record, perplexity(model, list(zip(ids, masks))))
+
+    def after(self, model) -> dict:
+        after = perplexity(model, self.sequences)
+        log.info("sft: held-out perplexity %.3f -> %.3f on %d rows (%s)", self.before_value, after,
+                 len(self.sequences), self.record["id"])
+        return {"held_out_perplexity": {"parent": self.before_value, "trained": after,
+                                        "change": after / self.before_value - 1,
+                                        "held_out_rows": len(self.sequences)}}

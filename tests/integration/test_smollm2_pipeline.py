@@ -185,6 +185,29 @@ def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smoke):
     outside = sorted(set(moved) - set(adapted))
     assert not outside, f"weights outside the LoRA targets changed: {outside[:4]}"
 
+    # The recipe holds out the last 8 of the 49 Dolly rows (data.held_out): SFT trains on the other 41 and measures
+    # its perplexity on those 8 before and after. 3 LoRA steps leave it near where it was, and finite.
+    train_record, held_record = manifest["datasets"]
+    assert train_record["rows"] == 41 and held_record["rows"] == 8 and held_record["role"] == "perplexity"
+    held = metrics["held_out_perplexity"]
+    print(f"smollm2: sft held-out perplexity {held}")
+    assert held["held_out_rows"] == 8 and 1 < held["parent"] < 100 and 1 < held["trained"] < 100
+    assert held["parent"] != held["trained"]
+
+
+def test_int4_calibrates_on_training_rows_and_measures_perplexity_on_the_held_out_ones(smoke):
+    """Quantize's calibration rows are SFT's training rows; its perplexity rows are the data's held-out rows,
+    the same 8 SFT measured (before, 7 of the 8 perplexity rows were among the 48 calibration rows)."""
+    run, _ = smoke
+    _, sft = stage(run, "sft")
+    _, manifest = stage(run, "quantize-int4-gptq")
+    calibration, held_out = manifest["datasets"]
+    assert calibration["role"] == "calibration" and calibration["content_sha256"] == sft["datasets"][0]["content_sha256"]
+    assert held_out["rows"] == 8 and held_out["content_sha256"] == sft["datasets"][1]["content_sha256"]
+    change = manifest["metrics"]["perplexity"]["change"]
+    print(f"smollm2: int4 held-out perplexity {manifest['metrics']['perplexity']}")
+    assert manifest["metrics"]["perplexity"]["held_out_rows"] == 8 and math.isfinite(change)
+
 
 @trains_on_shared(GSM8K, "the GSM8K rows")
 def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smoke):
