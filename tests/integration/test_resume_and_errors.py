@@ -224,9 +224,10 @@ def test_grpo_killed_after_a_checkpoint_resumes_with_every_steps_completions_onc
 
 
 def test_a_second_run_on_a_busy_stage_directory_stops_naming_the_owner(pretrained, tmp_path):
-    # Long enough (about a minute) that the second run, which takes seconds to start, meets the first one running.
-    args = ("stage=sft", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=dup", "sft.trainer.max_steps=150",
-            "sft.trainer.save_steps=50")
+    # The first run is stopped (SIGSTOP) as soon as it holds the stage: a live owner for as long as the second run
+    # takes to start, however slow the machine, without a long stage to wait out. It then finishes its 20 steps.
+    args = ("stage=sft", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=dup", "sft.trainer.max_steps=20",
+            "sft.trainer.save_steps=10")
     stage_dir = tmp_path / "dup" / "01-sft"
     owner = stage_dir / "owner.lock"
     first = popen(*args, log=tmp_path / "first.log")
@@ -234,13 +235,17 @@ def test_a_second_run_on_a_busy_stage_directory_stops_naming_the_owner(pretraine
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and first.poll() is None and not (owner.exists() and owner.read_text()):
             time.sleep(0.05)
-        assert f"pid {first.pid}" in owner.read_text()
-        second = posttrain(*args, "sft.trainer.learning_rate=1e-2", timeout=300)
-        assert first.poll() is None, "the first run ended before the second one started: nothing was tested"
+        os.killpg(first.pid, signal.SIGSTOP)
+        try:
+            assert f"pid {first.pid}" in owner.read_text()
+            second = posttrain(*args, "sft.trainer.learning_rate=1e-2", timeout=300)
+            assert first.poll() is None, "the first run ended before the second one started: nothing was tested"
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"{stage_dir} is in use by another run (host " in second.stderr and f"pid {first.pid}," in second.stderr
         assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         kill_group(first)
     manifest = verify_artifact(stage_dir)  # the first run's artifact, whole
-    assert manifest["metrics"]["global_step"] == 150 and owner.read_text() == ""  # released at the end
+    assert manifest["metrics"]["global_step"] == 20 and owner.read_text() == ""  # released at the end
