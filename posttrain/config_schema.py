@@ -94,6 +94,9 @@ class PairsCfg:
 @dataclass
 class RewardModelCfg(StageCfg):
     pairs: PairsCfg = field(default_factory=PairsCfg)
+    # train only the top N decoder layers, the final norm and the head; everything below is frozen, so the backward
+    # pass stops N layers down (null: every weight trains, or the LoRA adapters when lora is set)
+    train_top_layers: int | None = None
 
 
 @dataclass

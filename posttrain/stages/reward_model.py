@@ -13,6 +13,7 @@ from posttrain import sharding, training
 from posttrain.artifacts import sha256_json
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
+from posttrain.models.freezing import freeze_below_top_layers
 from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
@@ -64,6 +65,9 @@ def main(cfg, run: StageRun) -> dict:
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
     args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking, cfg.seed)
+    if cfg.reward_model.train_top_layers is not None and cfg.reward_model.lora is not None:
+        raise ValueError("reward_model.train_top_layers and reward_model.lora are two ways to train part of the "
+                         "model: set one of them")
 
     # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
     location = model_location(cfg.model, run.parent)
@@ -74,6 +78,12 @@ def main(cfg, run: StageRun) -> dict:
                                lora_rank=cfg.reward_model.lora.get("r") if cfg.reward_model.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_scoring_model(location, cfg.model, tokenizer)
+    frozen = None
+    if cfg.reward_model.train_top_layers is not None:
+        frozen = freeze_below_top_layers(model, cfg.reward_model.train_top_layers)
+        log.info("reward_model: training the top %d of %d decoder layers and the head (%s of %s parameters)",
+                 frozen["trained_layers"], frozen["layers"], f"{frozen['trainable_params']:,}",
+                 f"{frozen['trainable_params'] + frozen['frozen_params']:,}")
     peft_config = None
     if cfg.reward_model.lora is not None:
         from omegaconf import OmegaConf
@@ -95,6 +105,8 @@ def main(cfg, run: StageRun) -> dict:
     batch = args.per_device_eval_batch_size or 16
     with sharding.whole_weights(model):  # ZeRO-3 partitioned the weights at load
         before = pairwise_accuracy(RewardModelScorer(model=model, tokenizer=tokenizer, batch_size=batch), held_out)
+    log.info("reward_model: held-out pairwise accuracy before training %.3f on %d pairs",
+             before["pairwise_accuracy"], before["held_out_pairs"])
     # MoE models: expert shares per logging step (the sequence-classification loss has no load-balancing
     # term: transformers adds it in the causal-LM classes only)
     moe = MoeRouterCallback()
@@ -119,4 +131,4 @@ def main(cfg, run: StageRun) -> dict:
                "pairwise_accuracy_before_training": before["pairwise_accuracy"]}
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location),
-                                  "head": "sequence-classification, 1 output"})
+                                  "head": "sequence-classification, 1 output", "frozen": frozen})
