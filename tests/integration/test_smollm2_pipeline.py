@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.artifacts import sha256_json
+from posttrain.data.dolly import load_dolly
 from tests.integration.test_smollm2 import (DOLLY, GSM8K, PKU, REPO, SHARED, THREADS, needs_smollm2, smollm2,
                                              trains_on_shared)
 
@@ -195,18 +197,21 @@ def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smoke):
     assert held["parent"] != held["trained"]
 
 
+@trains_on_shared(DOLLY, "the Dolly rows")
 def test_int4_calibrates_on_training_rows_and_measures_perplexity_on_the_held_out_ones(smoke):
-    """Quantize's calibration rows are SFT's training rows; its perplexity rows are the data's held-out rows,
-    the same 8 SFT measured (before, 7 of the 8 perplexity rows were among the 48 calibration rows)."""
+    """Quantize's calibration rows are SFT's training rows; its perplexity rows are the first quantize.eval_rows (2
+    here) of the 8 rows the data holds out, which SFT measured and did not train on. Before data.held_out, 7 of the 8
+    perplexity rows were among the 48 calibration rows, and SFT had trained on all 8."""
     run, _ = smoke
     _, sft = stage(run, "sft")
     _, manifest = stage(run, "quantize-int4-gptq")
     calibration, held_out = manifest["datasets"]
     assert calibration["role"] == "calibration" and calibration["content_sha256"] == sft["datasets"][0]["content_sha256"]
-    assert held_out["rows"] == 8 and held_out["content_sha256"] == sft["datasets"][1]["content_sha256"]
-    change = manifest["metrics"]["perplexity"]["change"]
-    print(f"smollm2: int4 held-out perplexity {manifest['metrics']['perplexity']}")
-    assert manifest["metrics"]["perplexity"]["held_out_rows"] == 8 and math.isfinite(change)
+    rows, _ = load_dolly(str(DOLLY), None)
+    assert held_out["rows"] == 2 and held_out["content_sha256"] == sha256_json([r["messages"] for r in rows[-8:][:2]])
+    perplexity = manifest["metrics"]["perplexity"]
+    print(f"smollm2: int4 held-out perplexity {perplexity}")
+    assert perplexity["held_out_rows"] == 2 and math.isfinite(perplexity["change"])
 
 
 @trains_on_shared(GSM8K, "the GSM8K rows")
