@@ -60,7 +60,7 @@ def main(cfg, run: StageRun) -> dict:
         len(ids), dropped, n_tokens, 100 * trained_fraction,
     )
     dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
-    held_out = HeldOutPerplexity.before(cfg.data, model, tokenizer, template_kwargs)
+    held_out = HeldOutPerplexity.measure_parent(cfg.data, model, tokenizer, template_kwargs)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
@@ -112,22 +112,24 @@ class HeldOutPerplexity:
     """The perplexity of a real dataset's held-out rows (`data.held_out`) under the parent and the trained model.
     Rows are measured whole, as quantize measures them: a reply cut at max_length would leave rows out."""
 
-    def __init__(self, sequences: list, record: dict, before: float):
-        self.sequences, self.record, self.before_value = sequences, {**record, "role": "perplexity"}, before
+    def __init__(self, sequences: list, record: dict, parent: float):
+        self.sequences, self.record, self.parent = sequences, {**record, "role": "perplexity"}, parent
 
     @classmethod
-    def before(cls, data_cfg, model, tokenizer, template_kwargs: dict) -> HeldOutPerplexity | None:
-        if data_cfg.name == "tiny" or data_cfg.get("held_out", 0) == 0:
+    def measure_parent(cls, data_cfg, model, tokenizer, template_kwargs: dict) -> HeldOutPerplexity | None:
+        """The held-out rows and the parent's perplexity on them; None for the tiny world or no held-out rows."""
+        if data_cfg.name == "tiny" or getattr(data_cfg, "held_out", 0) == 0:
             return None
         rows, record = load_rows(data_cfg, "held_out")
         ids, masks, _ = tokenize_rows(rows, tokenizer, record["id"], None, template_kwargs)
         with sharding.whole_weights(model):  # ZeRO-3 partitioned the weights at load
-            return cls(list(zip(ids, masks)), record, perplexity(model, list(zip(ids, masks))))
+            sequences = list(zip(ids, masks))
+            return cls(sequences, record, perplexity(model, sequences))
 
     def after(self, model) -> dict:
+        """{"held_out_perplexity": parent, trained, change, held_out_rows} with the trained model measured now."""
         after = perplexity(model, self.sequences)
-        log.info("sft: held-out perplexity %.3f -> %.3f on %d rows (%s)", self.before_value, after,
+        log.info("sft: held-out perplexity %.3f -> %.3f on %d rows (%s)", self.parent, after,
                  len(self.sequences), self.record["id"])
-        return {"held_out_perplexity": {"parent": self.before_value, "trained": after,
-                                        "change": after / self.before_value - 1,
+        return {"held_out_perplexity": {"parent": self.parent, "trained": after, "change": after / self.parent - 1,
                                         "held_out_rows": len(self.sequences)}}
