@@ -45,6 +45,13 @@ class ModelCfg:
 
 
 @dataclass
+class Gsm8kSolutionsCfg:
+    n: int = 0  # problems; 0 adds none. The split's last n that pass max_calculations: GRPO's prompts are its first
+    path: str | None = None  # a local copy of the train split; null reads openai/gsm8k from the hub
+    max_calculations: int | None = None  # keep solutions with 1 to this many <<...>> calculations; null keeps all
+
+
+@dataclass
 class DataCfg:
     name: str = "tiny"  # tiny | dolly
     path: str | None = None  # a local JSON / JSONL / Parquet file; None loads hub_id through `datasets`
@@ -55,6 +62,8 @@ class DataCfg:
     # SFT's before/after perplexity and quantize's perplexity against its parent are measured on them. The tiny
     # world holds out its own test split instead.
     held_out: int = 0
+    # GSM8K train-split worked solutions added to SFT's training rows (a real dataset's train part only)
+    gsm8k: Gsm8kSolutionsCfg = field(default_factory=lambda: Gsm8kSolutionsCfg())
     seed: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {"echo": 4000, "arith": 500, "qa": 500})
     pretrain_rows: int = 6000
@@ -167,6 +176,9 @@ class MathSuiteCfg:
     path: str | None = None  # a local copy of the test split (JSONL / JSON list); null: the hub's test split
     samples: int = 0  # replies sampled per prompt for pass@1 (0: greedy accuracy only)
     max_new_tokens: int = 512  # reasoning models need room to think
+    # gsm8k only: the first n_prompts test problems whose reference solution has 1 to this many <<...>>
+    # calculations (GRPO's prompts.max_calculations, on the test split); null takes the first n_prompts problems
+    max_calculations: int | None = None
 
 
 @dataclass
@@ -184,6 +196,9 @@ class EvalCfg:
     samples: int = 4  # replies sampled per prompt for pass@1, in suites that sample
     temperature: float = 1.0
     checkpoints: list[str] = field(default_factory=list)  # `posttrain eval`: labels or stage dirs; empty = all
+    # also score the model the chain started from (a local directory: the base model's row, "base", is the first
+    # stage's parent in the changes table); the tiny world's base is its pretrain stage, scored anyway
+    base: bool = False
     latency: LatencyCfg = field(default_factory=LatencyCfg)
     pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
     gsm8k: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # openai/gsm8k test, scored by the math verifier

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from posttrain.artifacts import sha256_json
 from posttrain.chat.render import tokenize_with_assistant_mask
 from posttrain.data.dolly import load_dolly
+from posttrain.data.gsm8k import solution_rows
 from posttrain.data.tiny_world import sft_rows
 
 
@@ -16,10 +17,17 @@ def load_rows(data_cfg, part: str = "train") -> tuple[list[dict], dict]:
     """Conversation rows of one part, "train" or "held_out", and the dataset record that goes into the manifest.
 
     The tiny world's held-out part is its test split. A real dataset's is its last `data.held_out` rows, which the
-    train part leaves out; with `data.held_out: 0` it has none, and asking for it is an error.
+    train part leaves out; with `data.held_out: 0` it has none, and asking for it is an error. With `data.gsm8k.n`
+    set, the train part ends with that many GSM8K worked solutions (posttrain.data.gsm8k), recorded under
+    `gsm8k_solutions`; they have no held-out part here, the GSM8K test split being the eval suite's.
     """
     if part not in ("train", "held_out"):
         raise ValueError(f"load_rows: part {part!r} is not one of train, held_out")
+    gsm8k_cfg = getattr(data_cfg, "gsm8k", None)
+    with_gsm8k = gsm8k_cfg is not None and gsm8k_cfg.n > 0
+    if with_gsm8k and data_cfg.name == "tiny":
+        raise ValueError("data.gsm8k.n adds GSM8K solutions to a real dataset's rows; the tiny world (data=tiny) "
+                         "makes its own arithmetic")
     if data_cfg.name == "tiny":
         rows = sft_rows("train" if part == "train" else "test", dict(data_cfg.counts), data_cfg.seed,
                         data_cfg.arith_slip_rate, data_cfg.safety_decline_rate, data_cfg.arith_miscopy_rate)
@@ -32,6 +40,9 @@ def load_rows(data_cfg, part: str = "train") -> tuple[list[dict], dict]:
         raise ValueError(f"data.name '{data_cfg.name}' is not one of tiny, dolly")
     record = {"id": source, "card": card, "rows": len(rows),
               "content_sha256": sha256_json([r["messages"] for r in rows])}
+    if with_gsm8k and part == "train":
+        solutions, _, record["gsm8k_solutions"] = solution_rows(gsm8k_cfg)
+        rows = rows + solutions
     return rows, record
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 from posttrain.data.cards import load_card
 from posttrain.data.check import Report, check_rows
 from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.gsm8k import solution_rows
 from posttrain.data.jobs import Job, eval_prompt_sets
 from posttrain.data.prompts import PROMPT_SOURCES, prompt_rows
 
@@ -85,8 +86,16 @@ def startup_check(stage: str, jobs: list[Job], tokenizer, max_len: int | None, t
 def sft_jobs(data_cfg, rows: list[dict]) -> list[Job]:
     if data_cfg.name == "tiny":
         return tiny_jobs(rows, lambda r: r["family"], dict(data_cfg.counts), "tiny_world/sft")
-    return [file_job("databricks-dolly-15k", rows, data_cfg.path, data_cfg.hub_id, data_cfg.split,
+    dolly = [r for r in rows if r.get("source") != "gsm8k"]
+    jobs = [file_job("databricks-dolly-15k", dolly, data_cfg.path, data_cfg.hub_id, data_cfg.split,
                      limited=bool(data_cfg.limit))]
+    gsm8k_cfg = getattr(data_cfg, "gsm8k", None)
+    if gsm8k_cfg is not None and gsm8k_cfg.n > 0:
+        # the card checks the problems as they are in the split (questions, '####' answers) and their overlap with
+        # the eval sets; the replies SFT trains on are those solutions with the annotations stripped
+        _, raw, _ = solution_rows(gsm8k_cfg)
+        jobs.append(file_job("gsm8k", raw, gsm8k_cfg.path, "openai/gsm8k", "train", limited=True))
+    return jobs
 
 
 def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:

@@ -1,30 +1,38 @@
-"""The tiny world's claims: what each stage must have bought, checked on a finished run.
+"""What each stage must have bought, checked on a finished run: the tiny world's claims, or a real model's.
 
     posttrain claims [run.name=<run>]     check the latest (or a named) run; exit 1 when an enforced claim misses
 
-Each claim compares numbers the run already wrote: the scorecard (every reply through the server), the reward
-model's held-out pairwise accuracy and GRPO's reward per step (their manifests). `make demo` ends with this check
-and CI runs `make demo`, so a change anywhere upstream that costs a stage its effect fails CI with the claim's
-name, what was measured and what was needed.
+Each claim compares numbers the run already wrote: the scorecard (every reply through the server, with per-prompt
+scores and paired changes), the reward model's held-out pairwise accuracy and GRPO's reward per step (their
+manifests). `make demo` ends with this check and CI runs `make demo`, so a change anywhere upstream that costs a
+stage its effect fails CI with the claim's name, what was measured and what was needed.
+
+A run scored on the tiny world's suites (echo, ...) is held to CLAIMS; a run scored on GSM8K (`pipeline=smollm2`)
+to REAL_CLAIMS, which also need enough held-out rows for an interval that means something: a claim measured on
+fewer prompts or pairs than it names cannot be measured, and does not hold.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from posttrain.artifacts import read_manifest
 from posttrain.evaluation.run import latest_run
+from posttrain.evaluation.stats import mean_interval
 
 # Claims that are printed but do not fail the check yet ("not yet met"): empty once every claim holds.
 # dpo.over_refusal held on the AMD EPYC machines; on a 2-core Intel Xeon (AVX-512, 2026-12-03) seed 0's dpo answered
 # 0.890 of the benign prompts (0.880, 0.820 and 0.890 with DPO's learning rate at 5e-4, 4e-4 and 7e-4 instead of
 # 6e-4), so torch's kernels on that CPU put it one prompt short of 0.90.
 NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "reward_model.accuracy", "dpo.arith",
-                                              "dpo.over_refusal"})
+                                              "dpo.over_refusal",
+                                              # the real model's: GRPO, DPO and int4 on held-out real data
+                                              "real.grpo.gsm8k_gain", "real.dpo.gsm8k",
+                                              "real.int4.perplexity", "real.int4.gsm8k"})
 QUANTIZED = ("dpo-int8", "dpo-int4-gptq")
 SUITES = ("echo", "arith", "safety", "over_refusal")  # each suite's headline (greedy) score
 WINDOW = 5  # GRPO steps averaged at the start and at the end of its reward curve
@@ -40,6 +48,10 @@ class RunFacts:
     scores: dict[str, dict]  # checkpoint label -> its scorecard row
     reward_model_accuracy: float | None
     grpo_rewards: list[float]  # mean reward per GRPO step, in step order
+    reward_model_pairs: int | None = None  # held-out pairs behind reward_model_accuracy
+    changes: list[dict] = field(default_factory=list)  # the scorecard's paired changes against each parent
+    eval_config: dict = field(default_factory=dict)  # the eval config the scorecard recorded
+    perplexity_change: dict[str, float] = field(default_factory=dict)  # quantized label -> held-out change
 
     def score(self, checkpoint: str, key: str) -> float:
         row = self.scores.get(checkpoint)
@@ -132,6 +144,80 @@ CLAIMS: list[Claim] = [
 ]
 
 
+# --- a real model (pipeline=smollm2): held-out real data, enough of it, intervals that clear the bar -----------------
+MIN_GSM8K = 200  # held-out GSM8K test problems a GSM8K claim needs
+MIN_PAIRS = 300  # held-out preference pairs the reward model's claim needs
+INT4 = "dpo-int4-gptq"
+
+
+def _gsm8k(checkpoint: str, offset: float = 0.0) -> Callable[[RunFacts], float]:
+    """A checkpoint's greedy GSM8K accuracy, on at least MIN_GSM8K problems with at most 2 calculations."""
+    def measure(f: RunFacts) -> float:
+        limit = (f.eval_config.get("gsm8k") or {}).get("max_calculations")
+        if limit is None or limit > 2:
+            raise ClaimsError(f"the gsm8k suite must hold problems with 1 or 2 calculations "
+                              f"(eval.gsm8k.max_calculations: 2), not {limit}")
+        n = int(f.score(checkpoint, "gsm8k_n"))
+        if n < MIN_GSM8K:
+            raise ClaimsError(f"'{checkpoint}' was scored on {n} GSM8K problems; the claim needs at least {MIN_GSM8K}")
+        return f.score(checkpoint, "gsm8k") + offset
+    return measure
+
+
+def _change(checkpoint: str, key: str, bound: str) -> Callable[[RunFacts], float]:
+    """An end ("low" or "high") of the paired 95% interval of `key`'s change from the checkpoint's parent."""
+    def measure(f: RunFacts) -> float:
+        change = next((c for c in f.changes if c["checkpoint"] == checkpoint and c["key"] == key), None)
+        if change is None:
+            raise ClaimsError(f"the scorecard has no paired change of '{key}' for '{checkpoint}' (is its parent "
+                              f"scored? eval.base: true scores the base model)")
+        return float(change[bound])
+    return measure
+
+
+def _hh_accuracy(f: RunFacts) -> float:
+    if f.reward_model_pairs is None or f.reward_model_pairs < MIN_PAIRS:
+        raise ClaimsError(f"the reward model was measured on {f.reward_model_pairs} held-out pairs; the claim needs "
+                          f"at least {MIN_PAIRS}")
+    return _reward_model_accuracy(f)
+
+
+def _hh_lower_bound(f: RunFacts) -> float:
+    accuracy, n = _hh_accuracy(f), f.reward_model_pairs
+    wins = round(accuracy * n)
+    return mean_interval([1.0] * wins + [0.0] * (n - wins))[0]
+
+
+def _int4_perplexity(f: RunFacts) -> float:
+    if INT4 not in f.perplexity_change:
+        raise ClaimsError(f"the run has no {INT4} stage with a held-out perplexity change in its manifest")
+    return f.perplexity_change[INT4]
+
+
+REAL_CLAIMS: list[Claim] = [
+    Claim("real.sft.gsm8k", f"sft GSM8K 1-2 step greedy (>= {MIN_GSM8K} held-out) >= 0.10", _gsm8k("sft"),
+          _const(0.10)),
+    Claim("real.sft.gsm8k_gain", "sft GSM8K greedy >= base's + 0.05", _gsm8k("sft"), _gsm8k("base", 0.05)),
+    Claim("real.sft.gsm8k_interval", "sft - base GSM8K: paired 95% interval above 0", _change("sft", "gsm8k", "low"),
+          _const(1e-9)),
+    Claim("real.reward_model.accuracy", f"reward model held-out accuracy (>= {MIN_PAIRS} pairs) >= 0.58",
+          _hh_accuracy, _const(0.58)),
+    Claim("real.reward_model.interval", "reward model accuracy: 95% Wilson lower bound > 0.50", _hh_lower_bound,
+          _const(0.50 + 1e-9)),
+    Claim("real.grpo.gsm8k_gain", "grpo GSM8K greedy >= sft's + 0.08", _gsm8k("grpo"), _gsm8k("sft", 0.08)),
+    Claim("real.dpo.gsm8k", "dpo GSM8K greedy >= grpo's - 0.03", _gsm8k("dpo"), _gsm8k("grpo", -0.03)),
+    Claim("real.int4.perplexity", f"{INT4} held-out perplexity within 5% of dpo", _int4_perplexity, _const(0.05),
+          at_most=True),
+    Claim("real.int4.gsm8k", f"{INT4} GSM8K within 0.03 of dpo",
+          lambda f: abs(_gsm8k(INT4)(f) - _gsm8k("dpo")(f)), _const(0.03), at_most=True),
+]
+
+
+def claims_for(facts: RunFacts) -> list[Claim]:
+    """The claims a run is held to: a real model's when its scorecard has the GSM8K suite, else the tiny world's."""
+    return REAL_CLAIMS if any("gsm8k" in row for row in facts.scores.values()) else CLAIMS
+
+
 def grpo_step_rewards(manifest: dict) -> list[float]:
     """Mean reward per step from GRPO's manifest (its reward curve, one point per logging step)."""
     curve = manifest.get("metrics", {}).get("reward_curve") or []
@@ -143,21 +229,25 @@ def read_facts(run_dir: Path) -> RunFacts:
     if not path.is_file():
         raise ClaimsError(f"{path} does not exist: evaluate the run first (posttrain eval run.name={Path(run_dir).name})")
     card = json.loads(path.read_text())
-    accuracy, rewards = None, []
+    accuracy, pairs, rewards, perplexity = None, None, [], {}
     for stage_dir in sorted(d for d in Path(run_dir).iterdir() if d.is_dir()):
         manifest = read_manifest(stage_dir)
         if manifest is None:
             continue
+        metrics = manifest.get("metrics", {})
         if manifest.get("stage") == "reward_model":
-            accuracy = manifest.get("metrics", {}).get("pairwise_accuracy")
+            accuracy, pairs = metrics.get("pairwise_accuracy"), metrics.get("held_out_pairs")
         elif manifest.get("stage") == "grpo":
             rewards = grpo_step_rewards(manifest)
-    return RunFacts({r["checkpoint"]: r for r in card["rows"]}, accuracy, rewards)
+        elif manifest.get("stage") == "quantize" and "perplexity" in metrics:
+            perplexity[manifest.get("label")] = metrics["perplexity"]["change"]
+    return RunFacts({r["checkpoint"]: r for r in card["rows"]}, accuracy, rewards, pairs, card.get("changes") or [],
+                    card.get("eval_config") or {}, perplexity)
 
 
 def check(facts: RunFacts, claims: list[Claim] | None = None) -> list[Verdict]:
     verdicts = []
-    for claim in claims or CLAIMS:
+    for claim in claims or claims_for(facts):
         try:
             verdicts.append(Verdict(claim, claim.measured(facts), claim.needed(facts)))
         except ClaimsError as err:  # one claim's missing input does not hide the others' verdicts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -54,25 +55,45 @@ def score_summary(row: dict, suites) -> str:
 def score_checkpoint(stage_dir: Path, suites, eval_cfg, serve_cfg, seed: int = 0) -> dict:
     """Serve one checkpoint, run every suite through the OpenAI API, and time it through the same endpoint.
     Progress: one bar (on a terminal) and one summary line for the checkpoint, not a line per request."""
-    import secrets
-
     manifest = verify_artifact(stage_dir)
     label = manifest.get("label") or checkpoint_label(manifest["stage"])
-    row = {
-        "checkpoint": label,
-        "stage": manifest["stage"],
-        "artifact": str(stage_dir),
-        "size_mb": round(sum(p.stat().st_size for p in weight_files(stage_dir / "model")) / 2**20, 2),
-    }
-    backend = checkpoint_backend(serve_cfg.backend, stage_dir / "model")
+    row = {"checkpoint": label, "stage": manifest["stage"], "artifact": str(stage_dir)}
+    return score_model(row, stage_dir / "model", suites, eval_cfg, serve_cfg, seed)
+
+
+def score_base(location: Path, suites, eval_cfg, serve_cfg, seed: int = 0) -> dict:
+    """The model the chain started from (`eval.base`), scored like a checkpoint as the row "base"."""
+    row = {"checkpoint": "base", "stage": "base", "artifact": str(location)}
+    return score_model(row, location, suites, eval_cfg, serve_cfg, seed)
+
+
+def base_location(stage_dirs: list[Path]) -> Path:
+    """The local directory the chain's first stage loaded its model from, for `eval.base`."""
+    info = base_model(stage_dirs) or {}
+    location = info.get("location")
+    if info.get("source") == "tiny" or not location:
+        raise ValueError("eval.base: this chain's base model was built by its first stage, which has its own row; "
+                         "eval.base scores a base model the first stage loaded (a hub model, a GGUF copy, a path)")
+    if not Path(location).is_dir():
+        raise ValueError(f"eval.base: the base model {location} is not a local directory to serve")
+    return Path(location)
+
+
+def score_model(row: dict, model_dir: Path, suites, eval_cfg, serve_cfg, seed: int) -> dict:
+    """Serve the weights in `model_dir` as `row["checkpoint"]`, run every suite through the OpenAI API, and time it
+    through the same endpoint; the scores go into `row`."""
+    label = row["checkpoint"]
+    row["size_mb"] = round(sum(p.stat().st_size for p in weight_files(model_dir)) / 2**20, 2)
+    backend = checkpoint_backend(serve_cfg.backend, model_dir)
     row["backend"] = backend
     key = serve_cfg.api_key or secrets.token_hex(16)  # a fresh key per server: only this client talks to it
-    # the recipe's serve options, on this checkpoint's weights: verified above, so the server does not hash them again
+    # the recipe's serve options, on these weights (a checkpoint's were verified above: the server does not hash
+    # them again)
     recipe = {f.name: getattr(serve_cfg, f.name) for f in dataclasses.fields(ServeCfg) if hasattr(serve_cfg, f.name)}
-    opts = ServeCfg(**{**recipe, "model": str(stage_dir / "model"), "port": 0, "api_key": key,
+    opts = ServeCfg(**{**recipe, "model": str(model_dir), "port": 0, "api_key": key,
                        "served_model_name": label, "backend": backend})
     with background_server(opts) as server:
-        log.info("%s: serving %s at %s (%s)", label, stage_dir, server.base_url, backend)
+        log.info("%s: serving %s at %s (%s)", label, row["artifact"], server.base_url, backend)
         progress = CheckpointProgress(label, requests_of(suites, eval_cfg))
         ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency,
                    progress=progress, extra_body=BACKEND_SAMPLING.get(backend))
@@ -176,6 +197,9 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
     if generators and serve_cfg.backend != "vllm":
         check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
     rows, shifts, quantization = [], {}, {}
+    if getattr(eval_cfg, "base", False):
+        rows.append(score_base(base_location(stage_dirs), suites, eval_cfg, serve_cfg, seed))
+        rows[-1]["manifest_sha256"] = None
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
         if not is_generator(manifest.get("stage", "")):
@@ -186,6 +210,8 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
         parent = next((r["checkpoint"] for r in rows[:-1] if r["manifest_sha256"] == parent_sha), None)
         if parent:
             rows[-1]["parent"] = parent
+        elif not manifest.get("parent") and rows[0]["checkpoint"] == "base":
+            rows[-1]["parent"] = "base"  # the first stage trained the base model
         if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
             shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
         if manifest.get("stage") == "quantize":

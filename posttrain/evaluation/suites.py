@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.prompts import calculations
 from posttrain.data.tiny_world import eval_rows
 from rewards import REWARDS
 from rewards.safety import RewardModelSafety
@@ -82,39 +83,52 @@ def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model:
     return Suite("pku_saferlhf", rows, RewardModelSafety(reward_model, threshold), ("prompts",), max_new_tokens=128)
 
 
-def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int) -> tuple[str, list]:
-    """(source, rows): a local copy of a test split, else the first `n` rows of the hub's test split (online)."""
+def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int | None) -> tuple[str, list]:
+    """(source, rows): a local copy of a test split, else the first `n` rows of the hub's test split (online; all
+    of it when `n` is None)."""
     if path:
         return path, read_rows(Path(path))
     from datasets import load_dataset
 
-    return f"{hub_id}:test", list(load_dataset(hub_id, hub_config, split=f"test[:{n}]"))
+    return f"{hub_id}:test", list(load_dataset(hub_id, hub_config, split="test" if n is None else f"test[:{n}]"))
 
 
 def math_suite(name: str, hub_id: str, question: str, n: int, path: str | None, samples: int, temperature: float,
-               max_new_tokens: int, hub_config: str | None = None) -> Suite:
-    """The first `n` problems of a math test split (a local file, else the hub), scored by the math verifier: the
-    reply's final answer (boxed, "The answer is", or last number) against the gold answer, compared as values."""
-    source, rows = test_rows(path, hub_id, hub_config, n)
+               max_new_tokens: int, hub_config: str | None = None, keep: Callable[[dict], bool] | None = None) -> Suite:
+    """The first `n` problems of a math test split (a local file, else the hub) that `keep` accepts, scored by the
+    math verifier: the reply's final answer (boxed, "The answer is", or last number) against the gold answer,
+    compared as values."""
+    source, rows = test_rows(path, hub_id, hub_config, None if keep else n)
     out = []
-    for i, row in enumerate(rows[:n], start=1):
+    for i, row in enumerate(rows, start=1):
+        if len(out) == n:
+            break
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
                                                 for k in (question, "answer")):
             raise DataError(f"{source}: row {i}: fields '{question}' and 'answer' must be non-empty strings")
-        out.append({"messages": [{"role": "user", "content": row[question]}], "answer": row["answer"]})
+        if keep is None or keep(row):
+            out.append({"messages": [{"role": "user", "content": row[question]}], "answer": row["answer"]})
+    if keep is not None and len(out) < n:
+        raise DataError(f"{source}: eval.n_prompts.{name}={n} but only {len(out)} problems pass the suite's filter")
     return Suite(name, out, REWARDS["math_verifier"], ("answer",), max_new_tokens=max_new_tokens, samples=samples,
                  temperature=temperature)
 
 
 def gsm8k_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
-                max_new_tokens: int = 512) -> Suite:
-    """GSM8K test questions; the gold is the number after '####' in the reference solution."""
-    return math_suite("gsm8k", "openai/gsm8k", "question", n, path, samples, temperature, max_new_tokens, "main")
+                max_new_tokens: int = 512, max_calculations: int | None = None) -> Suite:
+    """GSM8K test questions; the gold is the number after '####' in the reference solution. With
+    `max_calculations`, only problems whose reference solution takes 1 to that many calculations."""
+    keep = None if max_calculations is None else (lambda row: 1 <= calculations(row["answer"]) <= max_calculations)
+    return math_suite("gsm8k", "openai/gsm8k", "question", n, path, samples, temperature, max_new_tokens, "main",
+                      keep)
 
 
 def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
-                  max_new_tokens: int = 512) -> Suite:
+                  max_new_tokens: int = 512, max_calculations: int | None = None) -> Suite:
     """MATH-500 problems; gold answers are LaTeX, compared by value (math-verify)."""
+    if max_calculations is not None:
+        raise ValueError("eval.math500.max_calculations: MATH-500 solutions have no calculator annotations to count; "
+                         "it filters the gsm8k suite only")
     return math_suite("math500", "HuggingFaceH4/MATH-500", "problem", n, path, samples, temperature, max_new_tokens)
 
 

@@ -152,3 +152,39 @@ def test_eval_logging_setup_holds_back_http_and_library_notes(fresh_loggers, mon
     quiet_eval_output()  # what `evaluate` runs first, for callers other than the command line
     for name in HTTP_LOGGERS + ("matplotlib",):
         assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, name
+
+
+def test_eval_base_scores_the_chains_base_model_as_the_first_stages_parent(monkeypatch, tmp_path):
+    """eval.base: the directory the first stage loaded its model from is served as the row "base", and the first
+    stage's changes are paired against it; a chain whose first stage built its model has no base to add."""
+    from posttrain.evaluation import scorecard
+
+    served = []
+
+    def fake_score_model(row, model_dir, suites, eval_cfg, serve_cfg, seed):
+        served.append((row["checkpoint"], str(model_dir)))
+        return dict(row, size_mb=1.0, echo=0.5 if row["checkpoint"] == "base" else 1.0, echo_n=2,
+                    echo_ci=(0.0, 1.0), echo_scores=[0.0, 1.0]
+                    if row["checkpoint"] == "base" else [1.0, 1.0])
+
+    base = tmp_path / "smollm2"
+    base.mkdir()
+    run = tmp_path / "run"
+    sft = run / "00-sft"
+    monkeypatch.setattr(scorecard, "score_model", fake_score_model)
+    monkeypatch.setattr(scorecard, "verify_artifact", lambda d: {"stage": "sft"})
+    monkeypatch.setattr(scorecard, "build_suites", lambda cfg, seed: [])
+    monkeypatch.setattr(scorecard, "read_manifest", lambda d: {"stage": "sft", "parent": None})
+    monkeypatch.setattr(scorecard, "manifest_sha256", lambda d: "sha")
+    monkeypatch.setattr(scorecard, "base_model", lambda dirs: {"source": "gguf", "location": str(base)})
+    monkeypatch.setattr(scorecard, "render_base_model", lambda info: [])
+    run.mkdir()
+    eval_cfg = OmegaConf.create({"suites": ["echo"], "base": True, "latency": {"requests": 0}})
+    serve_cfg = OmegaConf.create({"backend": "vllm"})  # no context check on a stub model
+    card = scorecard.write_scorecard(run, [sft], eval_cfg, serve_cfg, 0)
+    assert served == [("base", str(base)), ("sft", str(sft / "model"))]
+    assert [r["checkpoint"] for r in card["rows"]] == ["base", "sft"] and card["rows"][1]["parent"] == "base"
+    assert card["changes"][0]["parent"] == "base" and card["changes"][0]["diff"] == pytest.approx(0.5)
+    monkeypatch.setattr(scorecard, "base_model", lambda dirs: {"source": "tiny", "location": None})
+    with pytest.raises(ValueError, match="eval.base: this chain's base model was built by its first stage"):
+        scorecard.write_scorecard(run, [sft], eval_cfg, serve_cfg, 0)

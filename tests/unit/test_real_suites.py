@@ -34,3 +34,22 @@ def test_a_math_suite_row_without_an_answer_is_named(tmp_path):
     bad.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n" + json.dumps({"question": "2+2?"}) + "\n")
     with pytest.raises(ValueError, match=r"test.jsonl: row 2: fields 'question' and 'answer'"):
         build_suite("gsm8k", 5, 0, path=str(bad))
+
+
+def test_gsm8k_suite_keeps_the_first_problems_with_one_or_two_calculations():
+    path = shared_path("data", "gsm8k", "test.jsonl")
+    suite = build_suite("gsm8k", 200, 0, path=str(path), max_calculations=2)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = [r for r in rows if 1 <= r["answer"].count("<<") <= 2][:200]
+    assert [r["messages"][0]["content"] for r in suite.rows] == [r["question"] for r in kept]
+    assert len(kept) == 200 and kept[-1] != rows[199]  # the filter skipped problems, it did not take the first 200
+
+
+def test_a_filter_that_leaves_too_few_problems_or_applies_to_math500_is_refused(tmp_path):
+    small = tmp_path / "test.jsonl"
+    small.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n"
+                                         f"#### {i + 1}"}) + "\n" for i in range(3)))
+    with pytest.raises(ValueError, match=r"eval.n_prompts.gsm8k=5 but only 3 problems pass the suite's filter"):
+        build_suite("gsm8k", 5, 0, path=str(small), max_calculations=2)
+    with pytest.raises(ValueError, match="eval.math500.max_calculations"):
+        build_suite("math500", 5, 0, path=str(small), max_calculations=2)

@@ -1,0 +1,79 @@
+"""A real model's claims (pipeline=smollm2): enough held-out rows, the right GSM8K problems, intervals that clear
+their bars, and the tiny world's claims left alone."""
+
+import pytest
+
+from posttrain.evaluation import claims
+from posttrain.evaluation.claims import CLAIMS, REAL_CLAIMS, RunFacts, check, claims_for
+
+
+@pytest.fixture(autouse=True)
+def every_claim_enforced(monkeypatch):
+    monkeypatch.setattr(claims, "NOT_YET_ENFORCED", frozenset())
+
+
+def gsm8k_row(label: str, accuracy: float, n: int = 200) -> dict:
+    return {"checkpoint": label, "gsm8k": accuracy, "gsm8k_n": n}
+
+
+def real_facts(**changes) -> RunFacts:
+    rows = [gsm8k_row("base", 0.04), gsm8k_row("sft", 0.15), gsm8k_row("grpo", 0.25), gsm8k_row("dpo", 0.24),
+            gsm8k_row("dpo-int4-gptq", 0.23)]
+    facts = RunFacts({r["checkpoint"]: r for r in rows}, 0.627, [], reward_model_pairs=400,
+                     changes=[{"checkpoint": "sft", "parent": "base", "key": "gsm8k", "diff": 0.11, "low": 0.06,
+                               "high": 0.16, "n": 200}],
+                     eval_config={"gsm8k": {"max_calculations": 2}}, perplexity_change={"dpo-int4-gptq": 0.04})
+    for key, value in changes.items():
+        setattr(facts, key, value)
+    return facts
+
+
+def verdicts(facts: RunFacts) -> dict[str, claims.Verdict]:
+    return {v.claim.name: v for v in check(facts)}
+
+
+def test_a_run_scored_on_gsm8k_is_held_to_the_real_claims_and_meets_them():
+    facts = real_facts()
+    assert claims_for(facts) is REAL_CLAIMS
+    assert [name for name, v in verdicts(facts).items() if not v.holds] == []
+    tiny = RunFacts({"sft": {"checkpoint": "sft", "echo": 1.0}}, 0.9, [])
+    assert claims_for(tiny) is CLAIMS
+
+
+def test_sft_misses_by_its_score_its_gain_or_its_interval():
+    facts = real_facts()
+    facts.scores["sft"]["gsm8k"] = 0.085  # below 0.10, and below base 0.04 + 0.05
+    failed = {n for n, v in verdicts(facts).items() if not v.holds}
+    assert {"real.sft.gsm8k", "real.sft.gsm8k_gain"} <= failed
+    facts = real_facts(changes=[{"checkpoint": "sft", "key": "gsm8k", "diff": 0.06, "low": -0.01, "high": 0.12}])
+    assert not verdicts(facts)["real.sft.gsm8k_interval"].holds
+
+
+def test_too_few_problems_or_the_wrong_problems_cannot_be_measured():
+    facts = real_facts()
+    facts.scores["sft"]["gsm8k_n"] = 24
+    v = verdicts(facts)["real.sft.gsm8k"]
+    assert not v.holds and "scored on 24 GSM8K problems; the claim needs at least 200" in v.missing
+    v = verdicts(real_facts(eval_config={"gsm8k": {"max_calculations": None}}))["real.sft.gsm8k"]
+    assert not v.holds and "1 or 2 calculations" in v.missing
+
+
+def test_the_reward_model_needs_300_pairs_and_a_wilson_interval_above_chance():
+    assert not verdicts(real_facts(reward_model_pairs=9))["real.reward_model.accuracy"].holds
+    # 0.58 on 300 pairs: the Wilson interval is [0.524, 0.634], clear of 0.50
+    v = verdicts(real_facts(reward_model_accuracy=0.58, reward_model_pairs=300))
+    assert v["real.reward_model.accuracy"].holds and v["real.reward_model.interval"].holds
+    assert v["real.reward_model.interval"].measured == pytest.approx(0.5235, abs=1e-3)
+    # 0.56 misses the bar; 0.54 on 300 pairs also has an interval reaching below 0.50
+    v = verdicts(real_facts(reward_model_accuracy=0.54, reward_model_pairs=300))
+    assert not v["real.reward_model.accuracy"].holds and not v["real.reward_model.interval"].holds
+
+
+def test_int4_is_held_to_its_perplexity_and_its_gsm8k_score():
+    v = verdicts(real_facts(perplexity_change={"dpo-int4-gptq": 0.102}))
+    assert not v["real.int4.perplexity"].holds
+    facts = real_facts()
+    facts.scores["dpo-int4-gptq"]["gsm8k"] = 0.20
+    assert not verdicts(facts)["real.int4.gsm8k"].holds
+    v = verdicts(real_facts(perplexity_change={}))["real.int4.perplexity"]
+    assert "no dpo-int4-gptq stage" in v.missing
