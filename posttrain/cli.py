@@ -5,8 +5,9 @@
     posttrain stage=sft model=... data=...       run one stage
     posttrain eval [run.name=<run>] [overrides]  serve each checkpoint of a run, score it through the API, write
                                                  scorecard.md/.json and report.html (default: the latest run)
-    posttrain claims [run.name=<run>]            check the tiny world's claims on an evaluated run (exit 1: a
-                                                 claim failed, named with what was measured and needed)
+    posttrain claims [run.name=<run>]            check an evaluated run's claims, the tiny world's or (a run
+                                                 scored on gsm8k) a real model's; exit 1: a claim failed, named
+                                                 with what was measured and needed
     posttrain serve <artifact|dir|hub id> [port=8000 api_key=... backend=posttrain|vllm ...]
                                                  the OpenAI-compatible server (posttrain serve --help)
     posttrain template render [--template ...]   print a rendered chat, its token count and control-token ids

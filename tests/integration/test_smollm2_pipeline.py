@@ -93,15 +93,19 @@ def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2,
 
 # --- the whole real-model pipeline, a handful of steps per stage -----------------------------------------------------
 # One run of `pipeline=smollm2` with its step counts cut, read by every test below: the chain's wiring (each
-# checkpoint scored on each suite) and what each training stage did to SmolLM2's weights. SFT: 3 LoRA steps on the
-# Dolly rows, a loss logged at each. GRPO: one step of 2 GSM8K prompts x 4 samples (no gradient accumulation: with
+# checkpoint and the base model scored on each suite) and what each training stage did to SmolLM2's weights. SFT: 3
+# full fine-tuning steps of 2 rows on the Dolly rows and 8 GSM8K solutions, a loss logged at each. Reward model: 2
+# steps on 8 HH-RLHF pairs, 4 held out. GRPO: one step of 2 GSM8K prompts x 4 samples (no gradient accumulation: with
 # the recipe's 4 micro-batches a step would want 8 prompts, and 2 prompts gave no optimizer step at all, global_step
 # 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training
 # pairs in one batch, so each step's logged margin shows what the earlier steps did to the same pairs. Replies are
 # cut at 24 tokens (pku_saferlhf's and the math suites'), the pairs at 128 tokens.
 SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.logging_steps=1",
-         "sft.trainer.max_length=256",
-         "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2",
+         "sft.trainer.max_length=256", "sft.trainer.per_device_train_batch_size=2", "data.gsm8k.n=8",
+         "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2", "reward_model.pairs.n_train=8",
+         "reward_model.pairs.n_eval=4", "reward_model.trainer.per_device_train_batch_size=2",
+         "reward_model.trainer.gradient_accumulation_steps=1", "reward_model.trainer.warmup_steps=0",
+         "reward_model.trainer.max_length=256",
          "grpo.trainer.max_steps=1", "grpo.trainer.save_steps=1", "grpo.prompts.n=2",
          "grpo.trainer.per_device_train_batch_size=8", "grpo.trainer.gradient_accumulation_steps=1",
          "grpo.trainer.max_completion_length=32",
@@ -112,7 +116,7 @@ SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.log
          "quantize.calibration_rows=8", "quantize.eval_rows=2",
          "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2}", "eval.max_new_tokens=24",
          "eval.latency.requests=1", "eval.latency.max_tokens=8"]
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: sft, grpo and dpo
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: grpo and dpo
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +158,10 @@ def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
     scorecard = json.loads((run / "scorecard.json").read_text())
     rows = {row["checkpoint"]: row for row in scorecard["rows"]}
     print(f"smollm2: scorecard {[(c, {s: r.get(s) for s in scorecard['suites']}) for c, r in rows.items()]}")
-    assert {"sft", "grpo", "dpo", "dpo-int4-gptq"} <= set(rows), sorted(rows)
+    assert {"base", "sft", "grpo", "dpo", "dpo-int4-gptq"} <= set(rows), sorted(rows)
+    assert rows["base"]["artifact"] == str(smoke[1]) and rows["sft"]["parent"] == "base"
+    assert {c["parent"] for c in scorecard["changes"] if c["checkpoint"] == "sft"} == {"base"}
+    assert scorecard["eval_config"]["gsm8k"]["max_calculations"] == 2
     assert list(scorecard["suites"]) == ["gsm8k", "math500", "pku_saferlhf"]
     for checkpoint, row in rows.items():
         for suite in scorecard["suites"]:
@@ -164,33 +171,30 @@ def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
 
 
 @trains_on_shared(DOLLY, "the Dolly rows")
-def test_lora_sft_on_dolly_changes_only_the_adapted_weights(smoke):
+def test_full_sft_on_dolly_and_gsm8k_solutions_moves_every_weight(smoke):
+    """recipes/pipeline/smollm2.yaml's SFT: full fine-tuning on the Dolly training rows plus the last GSM8K
+    solutions (8 here), annotations stripped; the startup check read the GSM8K rows against their card."""
     run, base_dir = smoke
     stage_dir, manifest = stage(run, "sft")
-    assert manifest["stage"] == "sft"
+    assert manifest["stage"] == "sft" and not (stage_dir / "adapter").exists()
     metrics = manifest["metrics"]
     print(f"smollm2: sft losses {[round(h['loss'], 3) for h in metrics['log_history'] if 'loss' in h]}")
     assert metrics["global_step"] == 3
     assert 0 < metrics["assistant_token_fraction"] < 1
     losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-    adapter = json.loads((stage_dir / "adapter" / "adapter_config.json").read_text())
-    assert set(adapter["target_modules"]) == set(LORA_TARGETS)
-
-    # Merged weights: every adapted projection moved (its LoRA got a gradient), everything else is bit-identical.
     moved, names = changed(base_dir, stage_dir / "model")
-    adapted = [k for k in names if any(f".{t}." in k for t in LORA_TARGETS)]
-    assert len(adapted) == 4 * 30  # four projections in each of the 30 layers
-    unchanged = sorted(set(adapted) - set(moved))
-    assert not unchanged, f"adapted weights identical to the base (no gradient reached them): {unchanged[:4]}"
-    assert any(".mlp." in k for k in names if k not in adapted)
-    outside = sorted(set(moved) - set(adapted))
-    assert not outside, f"weights outside the LoRA targets changed: {outside[:4]}"
+    assert sorted(moved) == sorted(names), sorted(set(names) - set(moved))[:4]
 
-    # The recipe holds out the last 8 of the 49 Dolly rows (data.held_out): SFT trains on the other 41 and measures
-    # its perplexity on those 8 before and after. 3 LoRA steps leave it near where it was, and finite.
+    # The recipe holds out the last 8 of the 49 Dolly rows (data.held_out): SFT trains on the other 41 and the GSM8K
+    # solutions, and measures the Dolly perplexity on those 8 before and after.
     train_record, held_record = manifest["datasets"]
+    solutions = train_record["gsm8k_solutions"]
     assert train_record["rows"] == 41 and held_record["rows"] == 8 and held_record["role"] == "perplexity"
+    assert solutions["rows"] == 8 and "1 to 2 calculations" in solutions["id"]
+    assert metrics["rows"] + metrics["rows_dropped_by_max_length"] == 41 + 8  # rows past max_length 256 drop
+    assert [c["dataset"] for c in train_record["check"]] == ["databricks-dolly-15k", "gsm8k"]
+    assert all(c["ok"] and c["overlap"]["gsm8k:test"]["exact"] == 0 for c in train_record["check"][1:])
     held = metrics["held_out_perplexity"]
     print(f"smollm2: sft held-out perplexity {held}")
     assert held["held_out_rows"] == 8 and 1 < held["parent"] < 100 and 1 < held["trained"] < 100
