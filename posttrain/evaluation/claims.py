@@ -28,11 +28,9 @@ from posttrain.evaluation.stats import mean_interval
 # dpo.over_refusal held on the AMD EPYC machines; on a 2-core Intel Xeon (AVX-512, 2026-12-03) seed 0's dpo answered
 # 0.890 of the benign prompts (0.880, 0.820 and 0.890 with DPO's learning rate at 5e-4, 4e-4 and 7e-4 instead of
 # 6e-4), so torch's kernels on that CPU put it one prompt short of 0.90.
+# A real model's claims (REAL_CLAIMS) are all enforced: `posttrain claims` on a smollm2 run exits 1 naming each miss.
 NOT_YET_ENFORCED: frozenset[str] = frozenset({"grpo.arith_pass@1", "reward_model.accuracy", "dpo.arith",
-                                              "dpo.over_refusal",
-                                              # the real model's: GRPO, DPO and int4 on held-out real data
-                                              "real.grpo.gsm8k_gain", "real.dpo.gsm8k",
-                                              "real.int4.perplexity", "real.int4.gsm8k"})
+                                              "dpo.over_refusal"})
 QUANTIZED = ("dpo-int8", "dpo-int4-gptq")
 SUITES = ("echo", "arith", "safety", "over_refusal")  # each suite's headline (greedy) score
 WINDOW = 5  # GRPO steps averaged at the start and at the end of its reward curve
@@ -176,6 +174,7 @@ def _change(checkpoint: str, key: str, bound: str) -> Callable[[RunFacts], float
 
 
 def _hh_accuracy(f: RunFacts) -> float:
+    _reward_model_accuracy(f)  # a run without a reward model says so first
     if f.reward_model_pairs is None or f.reward_model_pairs < MIN_PAIRS:
         raise ClaimsError(f"the reward model was measured on {f.reward_model_pairs} held-out pairs; the claim needs "
                           f"at least {MIN_PAIRS}")

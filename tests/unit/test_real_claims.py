@@ -69,6 +69,13 @@ def test_the_reward_model_needs_300_pairs_and_a_wilson_interval_above_chance():
     assert not v["real.reward_model.accuracy"].holds and not v["real.reward_model.interval"].holds
 
 
+def test_every_real_claim_is_enforced_and_a_missing_stage_is_named(monkeypatch):
+    monkeypatch.undo()  # the check as shipped, not as every_claim_enforced sets it
+    assert not {c.name for c in REAL_CLAIMS} & claims.NOT_YET_ENFORCED
+    v = verdicts(real_facts(reward_model_accuracy=None, reward_model_pairs=None))["real.reward_model.accuracy"]
+    assert v.enforced and not v.holds and "no reward_model stage" in v.missing
+
+
 def test_int4_is_held_to_its_perplexity_and_its_gsm8k_score():
     v = verdicts(real_facts(perplexity_change={"dpo-int4-gptq": 0.102}))
     assert not v["real.int4.perplexity"].holds
