@@ -64,6 +64,9 @@ def test_the_planner_would_reject_a_launcher_that_does_not_fit():
 def test_smollm2_pipeline_composes_offline_on_the_cpu_recipes():
     cfg = compose(["pipeline=smollm2"])
     assert cfg.model.source == "gguf" and cfg.pipeline.launcher == "single"
-    assert cfg.sft.lora is not None and cfg.dpo.lora is not None
-    for path in (cfg.data.path, cfg.grpo.prompts.path, cfg.dpo.pairs.path, cfg.eval.gsm8k.path):
+    assert cfg.sft.lora is None and cfg.dpo.lora is not None  # full SFT on GSM8K solutions; LoRA DPO
+    assert cfg.data.gsm8k.n > 0 and cfg.eval.base and cfg.eval.gsm8k.max_calculations == 2
+    assert cfg.reward_model.pairs.source == "hh_rlhf" and cfg.eval.n_prompts.gsm8k >= 200
+    for path in (cfg.data.path, cfg.data.gsm8k.path, cfg.grpo.prompts.path, cfg.dpo.pairs.path, cfg.eval.gsm8k.path,
+                 cfg.reward_model.pairs.path):
         assert Path(path).is_absolute() or (REPO / path).resolve().is_relative_to(REPO.parent)
