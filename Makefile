@@ -34,7 +34,7 @@ RUN ?= demo
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo claims eval load test test-fast test-launchers bench bench-eval bench-rollout bench-sandbox llamacpp venv clean
+.PHONY: demo claims eval load test test-fast test-launchers bench bench-eval bench-rollout bench-sft bench-sandbox llamacpp venv clean
 
 venv: $(STAMP)
 
@@ -106,6 +106,13 @@ bench-eval: $(STAMP)
 bench-rollout: $(STAMP)
 	mkdir -p runs
 	$(PY) scripts/bench_rollout.py --threads 1 --json runs/bench_rollout.json
+
+# Seconds per SFT step on SmolLM2 (one 8-row GSM8K batch, bf16 autocast), side by side: every weight or the top 15
+# layers (sft.train_top_layers), each with TRL's fused LM head and with the compact one (sft.lm_head), about 5
+# minutes. Asserts nothing.
+bench-sft: $(STAMP)
+	mkdir -p runs
+	$(PY) scripts/bench_sft_step.py --json runs/bench_sft_step.json
 
 # Code verifications per second through the sandbox (trivial, stdin/stdout, looping and hung solutions at 1 and 2
 # workers), about 90 seconds. Asserts nothing.

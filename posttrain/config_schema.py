@@ -81,6 +81,21 @@ class StageCfg:
 
 
 @dataclass
+class LanguageModelStageCfg(StageCfg):
+    # the log-probabilities' LM head: auto (on CPU, posttrain.models.lm_head projects the labelled positions only,
+    # in one product; elsewhere TRL's fused head) | trl (TRL's fused head everywhere)
+    lm_head: str = "auto"
+
+
+@dataclass
+class SftCfg(LanguageModelStageCfg):
+    # train only the top N decoder layers and the final norm; the layers below and the input embeddings (with an
+    # output head tied to them) are frozen, so the backward pass stops N layers down (null: every weight trains, or
+    # the LoRA adapters when lora is set)
+    train_top_layers: int | None = None
+
+
+@dataclass
 class PairsCfg:
     # tiny (preference pairs) | tiny_safety (safety pairs, for DPO) | pku_saferlhf (file or hub id) | hh_rlhf
     # (Anthropic HH-RLHF harmless-base, file or hub id; held out by conversation, on_bad_row as for PKU)
@@ -129,7 +144,7 @@ class RolloutCfg:
 
 
 @dataclass
-class GrpoCfg(StageCfg):
+class GrpoCfg(LanguageModelStageCfg):
     prompts: PromptsCfg = field(default_factory=PromptsCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
     rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
@@ -137,7 +152,7 @@ class GrpoCfg(StageCfg):
 
 
 @dataclass
-class DpoCfg(StageCfg):
+class DpoCfg(LanguageModelStageCfg):
     pairs: PairsCfg = field(default_factory=PairsCfg)  # source tiny_safety | pku_saferlhf
 
 
@@ -282,7 +297,7 @@ class RootCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     pretrain: StageCfg = field(default_factory=StageCfg)
-    sft: StageCfg = field(default_factory=StageCfg)
+    sft: SftCfg = field(default_factory=SftCfg)
     reward_model: RewardModelCfg = field(default_factory=RewardModelCfg)
     grpo: GrpoCfg = field(default_factory=GrpoCfg)
     dpo: DpoCfg = field(default_factory=DpoCfg)
@@ -313,6 +328,7 @@ OPTION_VALUES = {
 OPTION_VALUES["serve.backend"] = ("posttrain", "vllm", "llamacpp")
 OPTION_VALUES["serve.kv_dtype"] = ("auto", "float32", "bfloat16")
 OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
+OPTION_VALUES.update({f"{stage}.lm_head": ("auto", "trl") for stage in ("sft", "grpo", "dpo")})
 QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4", "fp16", "fp8_e5m2", "fp4", "mxfp4", "nvfp4", "gguf"),
                        "method": ("rtn", "gptq", "awq")}
 GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k_m", "f16", "f32")  # quant.gguf_export.GGUF_FORMATS, checked in config

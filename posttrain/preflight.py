@@ -1,8 +1,9 @@
 """What `posttrain run` and `posttrain stage=...` check before the first stage starts, so that a setting that would
 fail in the third stage fails now, in one line: the model can be loaded (a local directory, or a hub id in the
 cache when offline), every training stage's trainer block builds its TRL config object, every GRPO reward
-name exists, nothing asks for what the launcher's strategy cannot do (QLoRA or engine roll-outs on sharded
-weights), and every quantize variant's group size divides the widths of the layers it will quantize.
+name exists, no stage asks for both LoRA and train_top_layers, nothing asks for what the launcher's strategy
+cannot do (QLoRA or engine roll-outs on sharded weights), and every quantize variant's group size divides the
+widths of the layers it will quantize.
 `posttrain run --dry-run` runs these checks and stops.
 
 Recipe keys and value types are checked earlier still, when the recipe is composed (posttrain.config).
@@ -39,6 +40,9 @@ def preflight(cfg, stages: list[str]) -> list[str]:
             if stage in TRAINER_CLASSES:
                 check_trainer(cfg, stage, Path(scratch))
                 checked.append(f"{stage}.trainer ({TRAINER_CLASSES[stage]})")
+    for stage in ("sft", "reward_model"):
+        if stage in stages:
+            check_partial_training(cfg, stage)
     if "grpo" in stages:
         check_rewards(cfg)
         checked.append(f"grpo.rewards ({', '.join(cfg.grpo.rewards)})")
@@ -51,6 +55,14 @@ def preflight(cfg, stages: list[str]) -> list[str]:
         check_group_sizes(cfg, variants, widths)
         checked.append(f"quantize group sizes ({', '.join(variants)}) against widths {sorted(set(widths.values()))}")
     return checked
+
+
+def check_partial_training(cfg, stage: str) -> None:
+    """`train_top_layers` and LoRA (or QLoRA) are two ways to train part of the model; a stage takes one."""
+    block = cfg[stage]
+    if block.get("train_top_layers") is not None and (block.lora is not None or block.qlora):
+        raise RecipeError(f"{stage}.train_top_layers and {stage}.lora / {stage}.qlora are two ways to train part of "
+                          f"the model: set one of them")
 
 
 def layer_widths(cfg) -> dict[str, int]:

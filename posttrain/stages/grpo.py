@@ -24,6 +24,7 @@ from pathlib import Path
 from posttrain import sharding, training
 from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
+from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.serve.rollout import EngineRollout
@@ -229,12 +230,7 @@ def main(cfg, run: StageRun) -> dict:
     args.reward_weights = [w for _, w in funcs.values()]
     log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s", len(rows), args.num_generations,
              {n: w for n, (_, w) in funcs.items()}, backend)
-    peft_config = None
-    if cfg.grpo.lora is not None:
-        from omegaconf import OmegaConf
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(**OmegaConf.to_container(cfg.grpo.lora, resolve=True))
+    peft_config = training.lora_config(cfg.grpo.lora)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
@@ -244,6 +240,7 @@ def main(cfg, run: StageRun) -> dict:
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise ValueError(SHARDED_ROLLOUT)
+    use_compact_lm_heads(trainer, "grpo", cfg.grpo.lm_head)  # on CPU, TRL's head scores every position, in tiles
     if resume:
         log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank

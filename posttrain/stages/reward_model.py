@@ -65,9 +65,6 @@ def main(cfg, run: StageRun) -> dict:
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
     args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking, cfg.seed)
-    if cfg.reward_model.train_top_layers is not None and cfg.reward_model.lora is not None:
-        raise ValueError("reward_model.train_top_layers and reward_model.lora are two ways to train part of the "
-                         "model: set one of them")
 
     # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
     location = model_location(cfg.model, run.parent)
@@ -84,12 +81,7 @@ def main(cfg, run: StageRun) -> dict:
         log.info("reward_model: training the top %d of %d decoder layers and the head (%s of %s parameters)",
                  frozen["trained_layers"], frozen["layers"], f"{frozen['trainable_params']:,}",
                  f"{frozen['trainable_params'] + frozen['frozen_params']:,}")
-    peft_config = None
-    if cfg.reward_model.lora is not None:
-        from omegaconf import OmegaConf
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(task_type="SEQ_CLS", **OmegaConf.to_container(cfg.reward_model.lora, resolve=True))
+    peft_config = training.lora_config(cfg.reward_model.lora, task_type="SEQ_CLS")
 
     # --- data ----------------------------------------------------------------------------------------------------
     train_pairs, held_out, record = load_pairs(cfg.reward_model.pairs, cfg.data.seed)

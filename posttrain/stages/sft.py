@@ -12,7 +12,9 @@ import logging
 from posttrain import sharding, training
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.data.startup import sft_jobs, startup_check
+from posttrain.models.freezing import freeze_below_top_layers
 from posttrain.models.likelihood import perplexity
+from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
@@ -39,14 +41,7 @@ def main(cfg, run: StageRun) -> dict:
                                lora_rank=cfg.sft.lora.get("r") if cfg.sft.lora is not None else None)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model, load_in_4bit=cfg.sft.qlora)
-    peft_config = None
-    if cfg.sft.lora is not None:
-        from omegaconf import OmegaConf
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(**OmegaConf.to_container(cfg.sft.lora, resolve=True))
-    elif cfg.sft.qlora:
-        raise ValueError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
+    peft_config = trained_part(cfg.sft, model)
 
     # --- data: render through the chat template, mask everything but the assistant's turns ----------------------
     rows, record = load_rows(cfg.data)
@@ -68,6 +63,7 @@ def main(cfg, run: StageRun) -> dict:
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
         callbacks=[moe],
     )
+    use_compact_lm_heads(trainer, "sft", cfg.sft.lm_head)  # on CPU, TRL's head scores every position, in tiles
     resume = training.last_checkpoint(run)
     if resume:
         log.info("sft: resuming from %s", resume)
@@ -98,6 +94,19 @@ def main(cfg, run: StageRun) -> dict:
     datasets = [record] + ([held_out.record] if held_out is not None else [])
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=datasets, metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location)})
+
+
+def trained_part(sft_cfg, model):
+    """What of `model` trains: LoRA adapters (returns their peft config), the top `train_top_layers` decoder layers
+    (freezes the rest; preflight refused both at once), or every weight (returns None)."""
+    if sft_cfg.get("train_top_layers") is not None:
+        frozen = freeze_below_top_layers(model, sft_cfg.train_top_layers)
+        log.info("sft: training the top %d of %d decoder layers and the final norm (%s of %s parameters)",
+                 frozen["trained_layers"], frozen["layers"], f"{frozen['trainable_params']:,}",
+                 f"{frozen['trainable_params'] + frozen['frozen_params']:,}")
+    if sft_cfg.qlora and sft_cfg.lora is None:
+        raise ValueError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
+    return training.lora_config(sft_cfg.lora)
 
 
 def require_trained_adapters(model) -> None:

@@ -1,4 +1,5 @@
-"""A killed stage resumes from its last checkpoint; bad input fails clearly and leaves no finished artifact."""
+"""A killed stage resumes from its last checkpoint; bad input fails clearly and leaves no finished artifact; SFT's
+partial training (train_top_layers) moves only what it names."""
 
 from __future__ import annotations
 
@@ -91,6 +92,30 @@ def test_bad_dataset_row_is_named_and_nothing_is_finished(pretrained, tmp_path):
     assert result.returncode == 2
     assert f"{bad}: row 4: field 'response' must be a string, got int" in result.stderr
     assert not list(tmp_path.glob("d/*/manifest.json"))
+
+
+def test_sft_train_top_layers_moves_only_the_top_layers_and_refuses_lora_beside_it(pretrained, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    result = posttrain("stage=sft", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=top",
+                       "sft.trainer.max_steps=3", "sft.train_top_layers=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sft: training the top 1 of 4 decoder layers" in result.stderr
+    before = load_file(pretrained / "model" / "model.safetensors")
+    after = load_file(tmp_path / "top" / "01-sft" / "model" / "model.safetensors")
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all(name.startswith(("model.layers.3.", "model.norm.", "lm_head.")) for name in moved), moved
+    assert any(name.startswith("model.layers.3.") for name in moved)
+    metrics = verify_artifact(tmp_path / "top" / "01-sft")["metrics"]
+    assert metrics["global_step"] == 3
+
+    both = posttrain("stage=sft", f"parent={pretrained}", f"run.root={tmp_path}", "run.name=both", "sft=lora",
+                     "sft.train_top_layers=1")
+    assert both.returncode == 2
+    assert "posttrain: error: sft.train_top_layers and sft.lora / sft.qlora are two ways to train part of the model" \
+        in both.stderr
+    assert not (tmp_path / "both").exists()
 
 
 def test_eval_prompts_in_training_data_stop_the_stage_at_its_data_check(pretrained, tmp_path):

@@ -25,6 +25,16 @@ def test_every_grpo_reward_name_exists():
         preflight(cfg, ["grpo"])
 
 
+@pytest.mark.parametrize("stage, lora", [("sft", "sft=lora"), ("reward_model", "reward_model.lora={r: 4}"),
+                                         ("sft", "sft.qlora=true")])
+def test_train_top_layers_beside_lora_fails_before_the_first_stage(stage, lora):
+    cfg = compose(["pipeline=tiny", lora, f"{stage}.train_top_layers=2"])
+    with pytest.raises(RecipeError, match=rf"{stage}.train_top_layers and {stage}.lora / {stage}.qlora are two ways "
+                                          r"to train part of the model: set one of them"):
+        preflight(cfg, [stage])
+    assert "sft.trainer (SFTConfig)" in preflight(compose(["pipeline=tiny", "sft.train_top_layers=2"]), ["sft"])
+
+
 def test_dry_run_checks_and_stops(tmp_path):
     result = posttrain("run", "pipeline=tiny", f"run.root={tmp_path}", "--dry-run", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
