@@ -136,7 +136,8 @@ def test_any_trl_field_is_a_valid_override_without_plus_and_misspellings_get_clo
 
 @pytest.mark.parametrize("override, message", [
     ("sft.trainr.max_steps=3", "unknown recipe key 'sft.trainr' in command-line override 'sft.trainr.max_steps=3' "
-                               "(the recipe has no such key). Did you mean 'trainer'?\nValid keys here: lora, trainer"),
+                               "(the recipe has no such key). Did you mean 'trainer'?\n"
+                               "Valid keys here: lm_head, lora, trainer"),
     ("sedd=3", "unknown recipe key 'sedd' in command-line override 'sedd=3' (the recipe has no such key). "
                "Did you mean 'seed'?"),
 ])
