@@ -58,11 +58,14 @@ def preflight(cfg, stages: list[str]) -> list[str]:
 
 
 def check_partial_training(cfg, stage: str) -> None:
-    """`train_top_layers` and LoRA (or QLoRA) are two ways to train part of the model; a stage takes one."""
+    """`train_top_layers` and LoRA (or QLoRA) are two ways to train part of the model; a stage takes one. SFT's
+    QLoRA trains LoRA adapters over 4-bit weights, so it needs a `lora` block."""
     block = cfg[stage]
     if block.get("train_top_layers") is not None and (block.lora is not None or block.qlora):
         raise RecipeError(f"{stage}.train_top_layers and {stage}.lora / {stage}.qlora are two ways to train part of "
                           f"the model: set one of them")
+    if stage == "sft" and block.qlora and block.lora is None:
+        raise RecipeError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
 
 
 def layer_widths(cfg) -> dict[str, int]:

@@ -98,14 +98,12 @@ def main(cfg, run: StageRun) -> dict:
 
 def trained_part(sft_cfg, model):
     """What of `model` trains: LoRA adapters (returns their peft config), the top `train_top_layers` decoder layers
-    (freezes the rest; preflight refused both at once), or every weight (returns None)."""
+    (freezes the rest), or every weight (returns None). Preflight refused both at once, and QLoRA without LoRA."""
     if sft_cfg.get("train_top_layers") is not None:
         frozen = freeze_below_top_layers(model, sft_cfg.train_top_layers)
         log.info("sft: training the top %d of %d decoder layers and the final norm (%s of %s parameters)",
                  frozen["trained_layers"], frozen["layers"], f"{frozen['trainable_params']:,}",
                  f"{frozen['trainable_params'] + frozen['frozen_params']:,}")
-    if sft_cfg.qlora and sft_cfg.lora is None:
-        raise ValueError("sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA adapters only")
     return training.lora_config(sft_cfg.lora)
 
 

@@ -35,6 +35,13 @@ def test_train_top_layers_beside_lora_fails_before_the_first_stage(stage, lora):
     assert "sft.trainer (SFTConfig)" in preflight(compose(["pipeline=tiny", "sft.train_top_layers=2"]), ["sft"])
 
 
+def test_sft_qlora_without_lora_fails_before_the_first_stage():
+    cfg = compose(["pipeline=tiny", "sft.qlora=true"])
+    with pytest.raises(RecipeError, match="sft.qlora=true needs sft.lora: a 4-bit model is trained through LoRA "
+                                          "adapters only"):
+        preflight(cfg, ["sft"])
+
+
 def test_dry_run_checks_and_stops(tmp_path):
     result = posttrain("run", "pipeline=tiny", f"run.root={tmp_path}", "--dry-run", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
