@@ -40,6 +40,11 @@ def blocked_directories(paths: list[str]) -> dict[str, set[str]]:
             directory = os.path.join(*parts[:depth])
             if not os.stat(directory).st_mode & stat.S_IXOTH:
                 blocked[directory].add(parts[depth])
+        whole = os.path.realpath(path)
+        if os.path.isdir(whole) and not os.stat(whole).st_mode & stat.S_IXOTH:
+            # A needed directory that is itself closed (a checkout made by `mktemp -d` is 0700) is needed whole:
+            # covering it with only the entries on other paths would hide the rest of it (its tests, say).
+            blocked[whole].update(os.listdir(whole))
     return blocked  # covered outermost first (a parent's path sorts first), so nested ones are reached in turn
 
 

@@ -272,3 +272,21 @@ def test_a_sandbox_that_cannot_isolate_itself_fails_loudly(monkeypatch):
     monkeypatch.setattr(sandbox, "_bootstrap_source", lambda: failing)
     with pytest.raises(RuntimeError, match="could not start on this host: sandbox: could not build its root: /tmp"):
         run_sandboxed("print('never runs')")
+
+
+def test_a_closed_checkout_is_exposed_whole_to_the_fresh_user(tmp_path):
+    """A checkout made by `mktemp -d` is 0700: the fresh user must see all of it, not only the entries on the
+    interpreter's path (that hid tests/ and ran nothing)."""
+    from tests.unprivileged import blocked_directories
+
+    checkout = tmp_path / "checkout"
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / ".venv" / "bin" / "python").touch()
+    (checkout / "tests").mkdir()
+    (checkout / "README.md").touch()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(checkout, 0o700)
+    blocked = blocked_directories([str(checkout / ".venv" / "bin" / "python"), str(checkout)])
+    assert blocked[str(checkout.resolve())] == {".venv", "tests", "README.md"}
+    os.chmod(checkout, 0o755)
+    assert str(checkout.resolve()) not in blocked_directories([str(checkout / ".venv" / "bin" / "python"), str(checkout)])
