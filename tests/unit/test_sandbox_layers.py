@@ -286,7 +286,7 @@ def test_a_closed_checkout_is_exposed_whole_to_the_fresh_user(tmp_path):
     (checkout / "README.md").touch()
     os.chmod(tmp_path, 0o755)
     os.chmod(checkout, 0o700)
-    blocked = blocked_directories([str(checkout / ".venv" / "bin" / "python"), str(checkout)])
-    assert blocked[str(checkout.resolve())] == {".venv", "tests", "README.md"}
+    needs = [str(checkout / ".venv" / "bin" / "python"), str(checkout)]
+    assert blocked_directories(needs)[str(checkout.resolve())] == {".venv", "tests", "README.md"}
     os.chmod(checkout, 0o755)
-    assert str(checkout.resolve()) not in blocked_directories([str(checkout / ".venv" / "bin" / "python"), str(checkout)])
+    assert str(checkout.resolve()) not in blocked_directories(needs)
