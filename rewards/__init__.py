@@ -6,15 +6,18 @@ choose rewards by name through REWARDS, the one explicit name -> function table.
 
 from rewards.code_verifier import code_verifier, code_verifier_strict
 from rewards.echo import echo_exact_match
+from rewards.refusal import answered, refusal
 from rewards.safety import tiny_safety_rule
 from rewards.steps import running_sum_steps
 from rewards.verifiers import math_verifier, think_format
 
 REWARDS = {
+    "answered": answered,
     "code_verifier": code_verifier,
     "code_verifier_strict": code_verifier_strict,
     "echo_exact_match": echo_exact_match,
     "math_verifier": math_verifier,
+    "refusal": refusal,
     "running_sum_steps": running_sum_steps,
     "think_format": think_format,
     "tiny_safety_rule": tiny_safety_rule,
@@ -22,10 +25,12 @@ REWARDS = {
 
 __all__ = [
     "REWARDS",
+    "answered",
     "code_verifier",
     "code_verifier_strict",
     "echo_exact_match",
     "math_verifier",
+    "refusal",
     "running_sum_steps",
     "think_format",
     "tiny_safety_rule",
