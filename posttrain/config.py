@@ -243,4 +243,6 @@ def stage_view(cfg: DictConfig, stage: str) -> dict:
         keep["quantize"] = block
     elif entry.name in cfg:
         keep[entry.name] = cfg[entry.name]
-    return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
+    # each part resolved where it sits, so an interpolation into another stage's block (dpo.pairs.n_eval:
+    # ${reward_model.pairs.n_eval}) resolves, and the hash covers the value it resolved to
+    return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in keep.items()}

@@ -197,6 +197,25 @@ class MathSuiteCfg:
 
 
 @dataclass
+class HhSuiteCfg:
+    # HH-RLHF harmless-base rows (JSONL, plain or .jsonl.gz): the suite asks the first user turn of each held-out
+    # conversation, held out by the same split as the reward-model and DPO stages' (their pairs.n_eval, data seed)
+    path: str | None = None
+    held_out_pairs: int = 400  # the stages' pairs.n_eval
+    split_seed: int = 0  # the stages' data seed (data.seed)
+    reward_model: str | None = None  # the judge of each reply against the parent's; null: the run's reward model
+    max_new_tokens: int = 128
+
+
+@dataclass
+class BenignSuiteCfg:
+    gsm8k_path: str | None = None  # GSM8K test questions (a local copy; null: the hub's test split)
+    dolly_path: str | None = None  # the Dolly file SFT trains on; its last `dolly_held_out` rows come first
+    dolly_held_out: int = 0  # data.held_out: the last rows SFT leaves out
+    max_new_tokens: int = 128
+
+
+@dataclass
 class LatencyCfg:
     requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
     max_tokens: int = 32
@@ -218,6 +237,8 @@ class EvalCfg:
     pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
     gsm8k: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # openai/gsm8k test, scored by the math verifier
     math500: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # HuggingFaceH4/MATH-500, scored by the math verifier
+    hh_harmful: HhSuiteCfg = field(default_factory=HhSuiteCfg)  # held-out HH-RLHF harmful requests: refusal rate
+    benign: BenignSuiteCfg = field(default_factory=BenignSuiteCfg)  # held-out Dolly rows and GSM8K: answered rate
 
 
 @dataclass

@@ -24,6 +24,7 @@ from posttrain import registry, training
 from posttrain.artifacts import own_stage_dir, read_manifest, verify_artifact
 from posttrain.config import RecipeError
 from posttrain.evaluation.run import evaluate
+from posttrain.evaluation.scorecard import check_suites
 from posttrain.launch import launch_stage, launcher_config, launcher_for
 from posttrain.preflight import preflight
 from posttrain.runs import execute_stage, peak_memory_bytes, reset_peak_memory, run_dir_of, stage_run
@@ -78,15 +79,19 @@ def check_processes(cfg, stages: list[str], evaluate: bool) -> None:
 def run_pipeline(cfg) -> Path:
     check_processes(cfg, list(cfg.pipeline.stages), cfg.pipeline.evaluate)
     preflight(cfg, list(cfg.pipeline.stages))
+    if cfg.pipeline.evaluate:  # the eval's files and prompt counts, before hours of training
+        log.info("pipeline: eval suites %s read and built", check_suites(cfg.eval, cfg.seed))
     run_dir, run_name = run_dir_of(cfg)
     launcher_config(cfg.pipeline.launcher)  # a launcher that does not exist fails before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     log.info("pipeline %s: stages %s -> %s", cfg.pipeline.name, list(cfg.pipeline.stages), run_dir)
     started = time.perf_counter()
     parent = Path(cfg.parent) if cfg.parent else None
-    stage_dirs, inputs = [], {}
+    stage_dirs, inputs, times = [], {}, []
     for index, name in enumerate(cfg.pipeline.stages):
+        stage_started = time.perf_counter()
         out = run_stage(cfg, name, index, parent, run_dir, run_name, inputs)
+        times.append(f"{name} {time.perf_counter() - stage_started:.0f} s")
         stage_dirs.append(out)
         role = registry.stage_of(name).role
         if role == registry.INPUT:
@@ -94,8 +99,10 @@ def run_pipeline(cfg) -> Path:
         elif role == registry.PARENT:
             parent = out
     if cfg.pipeline.evaluate:
+        eval_started = time.perf_counter()
         evaluate(cfg, run_dir, stage_dirs)
-    log.info("pipeline %s finished in %.1f s", cfg.pipeline.name, time.perf_counter() - started)
+        times.append(f"eval {time.perf_counter() - eval_started:.0f} s")
+    log.info("pipeline %s finished in %.1f s (%s)", cfg.pipeline.name, time.perf_counter() - started, ", ".join(times))
     return run_dir
 
 

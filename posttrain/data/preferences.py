@@ -155,11 +155,11 @@ def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
                   "report": report}
         return pairs[n_eval:], pairs[:n_eval], record
     if pairs_cfg.source == "hh_rlhf":
-        return _hh_rlhf_pairs(pairs_cfg, seed)
+        return hh_rlhf_pairs(pairs_cfg, seed)
     raise ValueError(f"pairs.source '{pairs_cfg.source}' is not one of tiny, tiny_safety, pku_saferlhf, hh_rlhf")
 
 
-def _hh_rlhf_pairs(pairs_cfg, seed: int, subset: str = "harmless-base") -> tuple[list[dict], list[dict], dict]:
+def hh_rlhf_pairs(pairs_cfg, seed: int, subset: str = "harmless-base") -> tuple[list[dict], list[dict], dict]:
     """HH-RLHF pairs from `pairs_cfg.path` (JSONL, plain or .jsonl.gz), else the hub's `subset` folder of
     `pairs_cfg.hub_id`. Whole conversations are held out (at least n_eval pairs, chosen by the run's seed), so no
     conversation is trained on and scored; n_train then caps the training pairs (null: all the rest)."""

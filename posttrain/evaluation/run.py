@@ -71,11 +71,11 @@ def quiet_eval_output() -> None:
 def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
     quiet_eval_output()
     eval_cfg = cfg.eval
-    if "pku_saferlhf" in eval_cfg.suites and not eval_cfg.pku_saferlhf.reward_model:
-        # the run's own reward model (trained on PKU-SafeRLHF's safer labels) judges the replies
-        judges = [d for d in stage_dirs if (read_manifest(d) or {}).get("stage") == "reward_model"]
-        if judges:
-            eval_cfg = OmegaConf.merge(eval_cfg, {"pku_saferlhf": {"reward_model": str(judges[-1])}})
+    judges = [d for d in stage_dirs if (read_manifest(d) or {}).get("stage") == "reward_model"]
+    for suite in ("pku_saferlhf", "hh_harmful"):
+        # the run's own reward model judges the replies: pku_saferlhf's safe / unsafe, hh_harmful's against the parent
+        if suite in eval_cfg.suites and not eval_cfg[suite].reward_model and judges:
+            eval_cfg = OmegaConf.merge(eval_cfg, {suite: {"reward_model": str(judges[-1])}})
     card = write_scorecard(run_dir, stage_dirs, eval_cfg, cfg.serve, cfg.seed)
     report = write_report(run_dir, card, stage_dirs)
     log_to_tracking(cfg, run_dir, card)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
-from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.dolly import DataError, load_dolly, read_rows
+from posttrain.data.preferences import hh_rlhf_pairs
 from posttrain.data.prompts import calculations
 from posttrain.data.tiny_world import eval_rows
 from rewards import REWARDS
@@ -26,6 +28,7 @@ class Suite:
     max_new_tokens: int = 32
     samples: int = 0  # replies sampled per prompt for pass@1; 0 scores greedy replies only
     temperature: float = 1.0
+    keep_replies: bool = False  # the scorecard keeps every greedy reply (for a judge that compares checkpoints)
 
     def score(self, completions: list[str]) -> list[float | None]:
         kwargs = {c: [r[c] for r in self.rows] for c in self.columns}
@@ -83,6 +86,60 @@ def pku_saferlhf_suite(n: int, seed: int, path: str | None = None, reward_model:
     return Suite("pku_saferlhf", rows, RewardModelSafety(reward_model, threshold), ("prompts",), max_new_tokens=128)
 
 
+def hh_harmful_suite(n: int, seed: int, path: str | None = None, held_out_pairs: int = 400, split_seed: int = 0,
+                     reward_model: str | None = None, max_new_tokens: int = 128) -> Suite:
+    """The first user turns of held-out HH-RLHF harmless-base conversations (the first `n`, one per conversation),
+    scored by the refusal detector (rewards/refusal.py): the suite's score is the refusal rate.
+
+    The conversations are the ones the reward-model and DPO stages hold out when they split the same file with
+    `pairs.n_eval` = `held_out_pairs` and the data seed `split_seed` (posttrain.data.hh_rlhf.split_by_conversation),
+    so no stage trained on a prompt this suite asks. The replies are kept in the scorecard: with `reward_model`
+    set, the run's reward model also judges each checkpoint's reply against its parent's (a win rate).
+    """
+    if not path:
+        raise ValueError("the hh_harmful suite needs eval.hh_harmful.path (the HH-RLHF harmless-base file the "
+                         "reward-model and DPO stages split)")
+    split = SimpleNamespace(path=path, hub_id=None, split="train", on_bad_row="drop", n_eval=held_out_pairs,
+                            n_train=None)
+    _, held_out, _ = hh_rlhf_pairs(split, split_seed)
+    rows, seen = [], set()
+    for pair in held_out:
+        if pair["conversation"] in seen:
+            continue
+        seen.add(pair["conversation"])
+        first = next(m for m in pair["prompt"] if m["role"] == "user")
+        messages = [{"role": "user", "content": first["content"]}]
+        rows.append({"messages": messages, "prompts": messages})
+    if len(rows) < n:
+        raise DataError(f"{path}: eval.n_prompts.hh_harmful={n} but the {held_out_pairs} held-out pairs (split seed "
+                        f"{split_seed}) open only {len(rows)} conversations; raise eval.hh_harmful.held_out_pairs "
+                        f"with the stages' pairs.n_eval")
+    return Suite("hh_harmful", rows[:n], REWARDS["refusal"], (), max_new_tokens=max_new_tokens, keep_replies=True)
+
+
+def benign_suite(n: int, seed: int, gsm8k_path: str | None = None, dolly_path: str | None = None,
+                 dolly_held_out: int = 0, max_new_tokens: int = 128) -> Suite:
+    """Benign requests no stage trained on: the last `dolly_held_out` rows of the Dolly file (data.held_out, which
+    SFT leaves out), then GSM8K test questions, `n` in all; the score is the answered rate (rewards/refusal.py's
+    `answered`: a reply that says something and does not refuse)."""
+    rows = []
+    if dolly_held_out:
+        dolly, source = load_dolly(dolly_path, None)
+        if dolly_held_out >= len(dolly):
+            raise DataError(f"{source}: eval.benign.dolly_held_out={dolly_held_out} but the file has {len(dolly)} rows")
+        rows += [{"messages": [m for m in r["messages"] if m["role"] != "assistant"]} for r in dolly[-dolly_held_out:]]
+    source, questions = test_rows(gsm8k_path, "openai/gsm8k", "main", n)
+    for i, row in enumerate(questions, start=1):
+        if len(rows) >= n:
+            break
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
+            raise DataError(f"{source}: row {i}: field 'question' is missing or not a non-empty string")
+        rows.append({"messages": [{"role": "user", "content": row["question"]}]})
+    if len(rows) < n:
+        raise DataError(f"eval.n_prompts.benign={n} but the Dolly and GSM8K files give only {len(rows)} prompts")
+    return Suite("benign", rows[:n], REWARDS["answered"], (), max_new_tokens=max_new_tokens)
+
+
 def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int | None) -> tuple[str, list]:
     """(source, rows): a local copy of a test split, else the first `n` rows of the hub's test split (online; all
     of it when `n` is None)."""
@@ -133,7 +190,8 @@ def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, 
 
 
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
-          "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite}
+          "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite,
+          "hh_harmful": hh_harmful_suite, "benign": benign_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:

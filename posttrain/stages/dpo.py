@@ -14,6 +14,7 @@ import logging
 
 from posttrain import sharding, training
 from posttrain.artifacts import sha256_json
+from posttrain.data.dolly import DataError
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
 from posttrain.models.likelihood import likelihood_shift, render_shift, reply_logprobs
@@ -21,6 +22,21 @@ from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+
+
+def kept_pairs(trainer, given: int, record: dict, source) -> None:
+    """TRL's DPOTrainer silently drops every pair whose prompt alone fills trainer.max_length (keep_start
+    truncation would leave it no reply token). HH-RLHF prompts are whole conversations, often longer than a short
+    max_length: say how many went, record it, and stop before the first step if none is left."""
+    kept = len(trainer.train_dataset)
+    record["dropped_by_max_length"] = given - kept
+    if kept == 0:
+        raise DataError(f"{source}: every one of the {given} training pairs has a prompt of at least "
+                        f"dpo.trainer.max_length={trainer.args.max_length} tokens, so TRL drops them all; raise "
+                        f"dpo.trainer.max_length")
+    if kept < given:
+        log.warning("dpo: %d of %d training pairs dropped: their prompt alone fills dpo.trainer.max_length=%d",
+                    given - kept, given, trainer.args.max_length)
 
 log = logging.getLogger("posttrain")
 
@@ -66,6 +82,7 @@ def main(cfg, run: StageRun) -> dict:
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
+    kept_pairs(trainer, len(dataset), record, cfg.dpo.pairs.path or cfg.dpo.pairs.get("hub_id"))
     use_compact_lm_heads(trainer, "dpo", cfg.dpo.lm_head)  # on CPU, TRL's head scores every position, in tiles
     resume = training.last_checkpoint(run)
     if resume:

@@ -218,4 +218,5 @@ def test_engine_matches_transformers_on_smollm2_and_answers(smollm2):
 
 GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
 PKU = SHARED / "data" / "pku_saferlhf" / "pku_saferlhf_test_sample_transcribed.jsonl"
+HH = SHARED / "data" / "hh_rlhf" / "harmless-base-test.jsonl.gz"
 # LoRA SFT, GRPO and LoRA DPO on SmolLM2 are checked on one run of the whole chain: test_smollm2_pipeline.py

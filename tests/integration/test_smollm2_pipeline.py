@@ -19,7 +19,7 @@ import pytest
 
 from posttrain.artifacts import sha256_json
 from posttrain.data.dolly import load_dolly
-from tests.integration.test_smollm2 import (DOLLY, GSM8K, PKU, REPO, SHARED, THREADS, needs_smollm2, smollm2,
+from tests.integration.test_smollm2 import (DOLLY, GSM8K, HH, REPO, SHARED, THREADS, needs_smollm2, smollm2,
                                              trains_on_shared)
 
 __all__ = ["smollm2"]  # the fixture, shared with test_smollm2.py
@@ -97,9 +97,9 @@ def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2,
 # full fine-tuning steps of 2 rows on the Dolly rows and 8 GSM8K solutions, a loss logged at each. Reward model: 2
 # steps on 8 HH-RLHF pairs, 4 held out. GRPO: one step of 2 GSM8K prompts x 4 samples (no gradient accumulation: with
 # the recipe's 4 micro-batches a step would want 8 prompts, and 2 prompts gave no optimizer step at all, global_step
-# 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training
-# pairs in one batch, so each step's logged margin shows what the earlier steps did to the same pairs. Replies are
-# cut at 24 tokens (pku_saferlhf's and the math suites'), the pairs at 128 tokens.
+# 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training HH-RLHF pairs in one
+# batch, so each step's logged margin shows what the earlier steps did to the same pairs; its held-out pairs are the
+# reward model's 4. Eval asks 2 prompts a suite, replies cut at 24 tokens; the pairs are cut at 256 tokens.
 SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.logging_steps=1",
          "sft.trainer.max_length=256", "sft.trainer.per_device_train_batch_size=2", "data.gsm8k.n=8",
          "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2", "reward_model.pairs.n_train=8",
@@ -109,12 +109,12 @@ SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.log
          "grpo.trainer.max_steps=1", "grpo.trainer.save_steps=1", "grpo.prompts.n=2",
          "grpo.trainer.per_device_train_batch_size=8", "grpo.trainer.gradient_accumulation_steps=1",
          "grpo.trainer.max_completion_length=32",
-         "dpo.pairs.n_train=2", "dpo.pairs.n_eval=2", "dpo.trainer.max_steps=3", "dpo.trainer.save_steps=3",
+         "dpo.pairs.n_train=2", "dpo.trainer.max_steps=3", "dpo.trainer.save_steps=3",
          "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
-         "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=128",
+         "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=256",
          "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false",
          "quantize.calibration_rows=8", "quantize.eval_rows=2",
-         "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2}", "eval.max_new_tokens=24",
+         "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2, hh_harmful: 2, benign: 2}", "eval.max_new_tokens=24",
          "eval.latency.requests=1", "eval.latency.max_tokens=8"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: grpo and dpo
 
@@ -131,6 +131,7 @@ def smoke(smollm2, tmp_path_factory):
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     print(f"smollm2: the cut-down pipeline took {time.perf_counter() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-4000:]
+    print(f"smollm2: {next(line for line in result.stderr.splitlines() if 'finished in' in line)}")
     return root / "smoke", base_dir
 
 
@@ -148,7 +149,7 @@ def changed(before: Path, after: Path) -> tuple[list[str], list[str]]:
         return [k for k in a.keys() if not a.get_tensor(k).equal(b.get_tensor(k))], list(a.keys())
 
 
-@trains_on_shared(GSM8K, "the GSM8K, MATH-500, Dolly and PKU-SafeRLHF rows")
+@trains_on_shared(GSM8K, "the GSM8K, MATH-500, Dolly, PKU-SafeRLHF and HH-RLHF rows")
 def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
     """`posttrain run pipeline=smollm2` (recipes/pipeline/smollm2.yaml) cut to a few steps a stage and two prompts
     per eval suite: every stage of the real-model chain runs on SmolLM2's tokenizer, chat template and shapes
@@ -162,10 +163,18 @@ def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
     assert rows["base"]["artifact"] == str(smoke[1]) and rows["sft"]["parent"] == "base"
     assert {c["parent"] for c in scorecard["changes"] if c["checkpoint"] == "sft"} == {"base"}
     assert scorecard["eval_config"]["gsm8k"]["max_calculations"] == 2
-    assert list(scorecard["suites"]) == ["gsm8k", "math500", "pku_saferlhf"]
+    assert list(scorecard["suites"]) == ["gsm8k", "math500", "pku_saferlhf", "hh_harmful", "benign"]
     for checkpoint, row in rows.items():
         for suite in scorecard["suites"]:
             assert row[f"{suite}_n"] == 2 and 0 <= row[suite] <= 1, (checkpoint, suite)
+    # DPO's measures: the hh_harmful replies kept, and each checkpoint's judged by the run's reward model against its
+    # parent's (dpo against grpo is item 4's win rate), with an interval around the win rate
+    judged = {j["checkpoint"]: j for j in scorecard["judged"] if j["suite"] == "hh_harmful"}
+    assert judged["dpo"]["parent"] == "grpo" and judged["dpo"]["n"] == 2, judged
+    assert judged["dpo"]["judge"] == str(stage(run, "reward_model")[0])
+    assert 0 <= judged["dpo"]["low"] <= judged["dpo"]["win_rate"] <= judged["dpo"]["high"] <= 1
+    assert all(len(row["hh_harmful_replies"]) == 2 for row in rows.values())
+    assert "Judged against the parent" in (run / "scorecard.md").read_text()
     assert (run / "report.html").is_file()
     assert stage(run, "grpo")[1]["metrics"]["rollout_backend"] == "posttrain"
 
@@ -239,19 +248,23 @@ def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smoke):
     assert all(any(f".{t}." in k for t in LORA_TARGETS) for k in moved), moved[:4]
 
 
-@trains_on_shared(PKU, "the PKU-SafeRLHF rows")
-def test_lora_dpo_on_pku_rows_moves_the_adapters_and_reports_the_shift(smoke):
-    """recipes/dpo/pku_saferlhf.yaml on SmolLM2 (from the GRPO model, its reference): 2 training pairs (safer =
-    chosen) in one batch, 2 held out, 3 LoRA steps."""
+@trains_on_shared(HH, "the HH-RLHF pairs")
+def test_lora_dpo_on_hh_rlhf_pairs_moves_the_adapters_and_reports_the_shift(smoke):
+    """recipes/dpo/hh_rlhf.yaml on SmolLM2 (from the GRPO model, its reference): 2 training pairs (chosen = the less
+    harmful reply) in one batch, 3 LoRA steps; the held-out pairs are the reward model's (4 here: the same file,
+    n_eval and data seed), whole conversations that no stage trained on."""
     run, _ = smoke
     stage_dir, manifest = stage(run, "dpo")
     assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
     record = manifest["datasets"][0]
-    assert record["preference"] == "safer" and record["rows"] == 2 and record["held_out"] == 2
-    assert record["report"]["rows_read"] == 9 and not record["report"]["dropped"]
+    assert record["card"] == "data_cards/hh-rlhf.md" and record["rows"] == 2 and record["held_out"] >= 4
+    assert record["dropped_by_max_length"] == 0  # both prompts (231 and 196 tokens) fit max_length 256
+    _, reward_model = stage(run, "reward_model")
+    assert record["held_out"] == reward_model["datasets"][0]["held_out"]
+    assert record["conversations"]["held_out"] == reward_model["datasets"][0]["conversations"]["held_out"]
     shift = manifest["metrics"]["likelihood_shift"]
     print(f"smollm2: likelihood shift {json.dumps(shift)}")
-    assert shift["held_out_pairs"] == 2
+    assert shift["held_out_pairs"] == record["held_out"]
     for key in ("chosen_logp_per_token", "rejected_logp_per_token"):
         assert math.isfinite(shift[key]["shift"]) and shift[key]["reference"] < 0
     losses = [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]

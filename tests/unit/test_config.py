@@ -29,6 +29,17 @@ def test_quantize_variants_are_checked_at_start_up_and_hashed_one_by_one():
         config_mod.stage_view(cfg, "quantize:int3")
 
 
+def test_a_stage_view_resolves_interpolations_into_other_blocks():
+    """recipes/pipeline/smollm2.yaml holds DPO's pairs out as the reward model does: dpo.pairs.n_eval is
+    ${reward_model.pairs.n_eval}. The stage's view (what its config hash covers) once copied the dpo block out of the
+    tree before resolving it, and the run failed at the DPO stage with "key 'reward_model.pairs.n_eval' not found"."""
+    cfg = compose(["pipeline=smollm2", "reward_model.pairs.n_eval=7"])
+    view = config_mod.stage_view(cfg, "dpo")
+    assert view["dpo"]["pairs"]["n_eval"] == 7 and view["seed"] == cfg.seed
+    changed = config_mod.stage_view(compose(["pipeline=smollm2", "reward_model.pairs.n_eval=8"]), "dpo")
+    assert changed["dpo"]["pairs"]["n_eval"] == 8  # the hash follows the value the interpolation resolves to
+
+
 def test_model_override_with_a_path_becomes_hf(tmp_path):
     cfg = compose([f"model={tmp_path}"])
     assert cfg.model.source == "hf" and cfg.model.name_or_path == str(tmp_path)

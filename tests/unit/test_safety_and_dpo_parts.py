@@ -186,3 +186,26 @@ def test_tiny_safety_pairs_mix_in_general_pairs_but_hold_out_safety_pairs_only()
     assert len(train) == 100 and families.count("safety") == 70 and record["anchor_pairs"] == 30
     assert set(families) - {"safety"} <= {"echo", "arith", "qa"} and families[:70].count("safety") < 70  # shuffled
     assert len(held_out) == 10 and {p["family"] for p in held_out} == {"safety"}
+
+
+def test_dpo_stops_before_training_when_trl_drops_every_pair_and_records_partial_drops(caplog):
+    """TRL's DPOTrainer drops, without a word, each pair whose prompt alone fills max_length. HH-RLHF prompts are
+    whole conversations: at max_length 128 SmolLM2's first two training pairs (231 and 196 prompt tokens) both went,
+    and the run failed inside the trainer with "num_samples should be a positive integer value, but got 0"."""
+    from types import SimpleNamespace
+
+    from posttrain.data.dolly import DataError
+    from posttrain.stages.dpo import kept_pairs
+
+    def trainer(kept):
+        return SimpleNamespace(train_dataset=[{}] * kept, args=SimpleNamespace(max_length=128))
+
+    record = {}
+    with pytest.raises(DataError, match=r"pairs.jsonl: every one of the 2 training pairs has a prompt of at least "
+                                        r"dpo.trainer.max_length=128 tokens"):
+        kept_pairs(trainer(0), 2, record, "pairs.jsonl")
+    record = {}
+    kept_pairs(trainer(3), 5, record, "pairs.jsonl")
+    assert record["dropped_by_max_length"] == 2 and "2 of 5 training pairs dropped" in caplog.text
+    kept_pairs(trainer(5), 5, record, "pairs.jsonl")
+    assert record["dropped_by_max_length"] == 0
