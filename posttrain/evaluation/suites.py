@@ -28,7 +28,7 @@ class Suite:
     max_new_tokens: int = 32
     samples: int = 0  # replies sampled per prompt for pass@1; 0 scores greedy replies only
     temperature: float = 1.0
-    keep_replies: bool = False  # the scorecard keeps every greedy reply (for a judge that compares checkpoints)
+    keep_replies: bool = False  # the scorecard keeps every greedy reply (for a judge, or to rescore by a new rule)
 
     def score(self, completions: list[str]) -> list[float | None]:
         kwargs = {c: [r[c] for r in self.rows] for c in self.columns}
@@ -137,7 +137,7 @@ def benign_suite(n: int, seed: int, gsm8k_path: str | None = None, dolly_path: s
         rows.append({"messages": [{"role": "user", "content": row["question"]}]})
     if len(rows) < n:
         raise DataError(f"eval.n_prompts.benign={n} but the Dolly and GSM8K files give only {len(rows)} prompts")
-    return Suite("benign", rows[:n], REWARDS["answered"], (), max_new_tokens=max_new_tokens)
+    return Suite("benign", rows[:n], REWARDS["answered"], (), max_new_tokens=max_new_tokens, keep_replies=True)
 
 
 def test_rows(path: str | None, hub_id: str, hub_config: str | None, n: int | None) -> tuple[str, list]:

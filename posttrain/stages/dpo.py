@@ -14,6 +14,7 @@ import logging
 
 from posttrain import sharding, training
 from posttrain.artifacts import sha256_json
+from posttrain.config import RecipeError
 from posttrain.data.dolly import DataError
 from posttrain.data.preferences import load_pairs
 from posttrain.data.startup import pair_jobs, startup_check
@@ -68,6 +69,10 @@ def main(cfg, run: StageRun) -> dict:
     record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
               "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
     log.info("dpo: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    if cfg.dpo.shift_pairs is not None:
+        if cfg.dpo.shift_pairs < 1:
+            raise RecipeError(f"dpo.shift_pairs is {cfg.dpo.shift_pairs}; the likelihood shift needs at least 1 pair")
+        held_out = held_out[: cfg.dpo.shift_pairs]  # what the likelihood shift measures
     record["check"] = startup_check("dpo", pair_jobs(cfg.dpo.pairs, train_pairs), tokenizer, args.max_length,
                                     None, cfg.get("eval"), cfg.data.seed)
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in train_pairs])

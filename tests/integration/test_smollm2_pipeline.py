@@ -99,7 +99,9 @@ def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2,
 # the recipe's 4 micro-batches a step would want 8 prompts, and 2 prompts gave no optimizer step at all, global_step
 # 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training HH-RLHF pairs in one
 # batch, so each step's logged margin shows what the earlier steps did to the same pairs; its held-out pairs are the
-# reward model's 4. Eval asks 2 prompts a suite, replies cut at 24 tokens; the pairs are cut at 256 tokens.
+# reward model's 4; the pairs are cut at 256 tokens. int4 GPTQ calibrates on 2 rows. Eval asks one prompt a suite
+# (the served context for the longest prompts is checked below), replies cut at 16 tokens: prefilling the prompts
+# dominates its time (10 prompts, 2 of each suite, took 12.9 s a checkpoint on 2 threads).
 SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.logging_steps=1",
          "sft.trainer.max_length=256", "sft.trainer.per_device_train_batch_size=2", "data.gsm8k.n=8",
          "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2", "reward_model.pairs.n_train=8",
@@ -113,8 +115,8 @@ SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.log
          "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
          "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=256",
          "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false",
-         "quantize.calibration_rows=8", "quantize.eval_rows=2",
-         "eval.n_prompts={gsm8k: 2, math500: 2, pku_saferlhf: 2, hh_harmful: 2, benign: 2}", "eval.max_new_tokens=24",
+         "quantize.calibration_rows=2", "quantize.eval_rows=2",
+         "eval.n_prompts={gsm8k: 1, math500: 1, pku_saferlhf: 1, hh_harmful: 1, benign: 1}", "eval.max_new_tokens=16",
          "eval.latency.requests=1", "eval.latency.max_tokens=8"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: grpo and dpo
 
@@ -151,9 +153,9 @@ def changed(before: Path, after: Path) -> tuple[list[str], list[str]]:
 
 @trains_on_shared(GSM8K, "the GSM8K, MATH-500, Dolly, PKU-SafeRLHF and HH-RLHF rows")
 def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
-    """`posttrain run pipeline=smollm2` (recipes/pipeline/smollm2.yaml) cut to a few steps a stage and two prompts
+    """`posttrain run pipeline=smollm2` (recipes/pipeline/smollm2.yaml) cut to a few steps a stage and one prompt
     per eval suite: every stage of the real-model chain runs on SmolLM2's tokenizer, chat template and shapes
-    (GRPO's roll-outs on the engine, int4 on 576-wide layers, MATH-500 prompts of 400+ tokens through the server),
+    (GRPO's roll-outs on the engine, int4 on 576-wide layers, every eval suite through the server),
     and the scorecard has each checkpoint on each suite."""
     run, _ = smoke
     scorecard = json.loads((run / "scorecard.json").read_text())
@@ -166,14 +168,14 @@ def test_smollm2_pipeline_runs_every_stage_and_scores_every_checkpoint(smoke):
     assert list(scorecard["suites"]) == ["gsm8k", "math500", "pku_saferlhf", "hh_harmful", "benign"]
     for checkpoint, row in rows.items():
         for suite in scorecard["suites"]:
-            assert row[f"{suite}_n"] == 2 and 0 <= row[suite] <= 1, (checkpoint, suite)
+            assert row[f"{suite}_n"] == 1 and 0 <= row[suite] <= 1, (checkpoint, suite)
     # DPO's measures: the hh_harmful replies kept, and each checkpoint's judged by the run's reward model against its
     # parent's (dpo against grpo is item 4's win rate), with an interval around the win rate
     judged = {j["checkpoint"]: j for j in scorecard["judged"] if j["suite"] == "hh_harmful"}
-    assert judged["dpo"]["parent"] == "grpo" and judged["dpo"]["n"] == 2, judged
+    assert judged["dpo"]["parent"] == "grpo" and judged["dpo"]["n"] == 1, judged
     assert judged["dpo"]["judge"] == str(stage(run, "reward_model")[0])
     assert 0 <= judged["dpo"]["low"] <= judged["dpo"]["win_rate"] <= judged["dpo"]["high"] <= 1
-    assert all(len(row["hh_harmful_replies"]) == 2 for row in rows.values())
+    assert all(len(row["hh_harmful_replies"]) == len(row["benign_replies"]) == 1 for row in rows.values())
     assert "Judged against the parent" in (run / "scorecard.md").read_text()
     assert (run / "report.html").is_file()
     assert stage(run, "grpo")[1]["metrics"]["rollout_backend"] == "posttrain"

@@ -12,17 +12,22 @@ def every_claim_enforced(monkeypatch):
     monkeypatch.setattr(claims, "NOT_YET_ENFORCED", frozenset())
 
 
-def gsm8k_row(label: str, accuracy: float, n: int = 200) -> dict:
-    return {"checkpoint": label, "gsm8k": accuracy, "gsm8k_n": n}
+def gsm8k_row(label: str, accuracy: float, n: int = 200, refused: float = 0.1, answered: float = 0.98) -> dict:
+    return {"checkpoint": label, "gsm8k": accuracy, "gsm8k_n": n, "hh_harmful": refused, "hh_harmful_n": 200,
+            "benign": answered, "benign_n": 200}
 
 
 def real_facts(**changes) -> RunFacts:
-    rows = [gsm8k_row("base", 0.04), gsm8k_row("sft", 0.15), gsm8k_row("grpo", 0.25), gsm8k_row("dpo", 0.24),
-            gsm8k_row("dpo-int4-gptq", 0.23)]
+    rows = [gsm8k_row("base", 0.04), gsm8k_row("sft", 0.15), gsm8k_row("grpo", 0.25),
+            gsm8k_row("dpo", 0.24, refused=0.3, answered=0.95), gsm8k_row("dpo-int4-gptq", 0.23)]
     facts = RunFacts({r["checkpoint"]: r for r in rows}, 0.627, [], reward_model_pairs=400,
                      changes=[{"checkpoint": "sft", "parent": "base", "key": "gsm8k", "diff": 0.11, "low": 0.06,
-                               "high": 0.16, "n": 200}],
-                     eval_config={"gsm8k": {"max_calculations": 2}}, perplexity_change={"dpo-int4-gptq": 0.04})
+                               "high": 0.16, "n": 200},
+                              {"checkpoint": "dpo", "parent": "grpo", "key": "hh_harmful", "diff": 0.2, "low": 0.13,
+                               "high": 0.27, "n": 200}],
+                     eval_config={"gsm8k": {"max_calculations": 2}}, perplexity_change={"dpo-int4-gptq": 0.04},
+                     judged=[{"checkpoint": "dpo", "parent": "grpo", "suite": "hh_harmful", "win_rate": 0.64,
+                              "low": 0.59, "high": 0.69, "n": 200, "ties": 3}])
     for key, value in changes.items():
         setattr(facts, key, value)
     return facts
@@ -84,3 +89,23 @@ def test_int4_is_held_to_its_perplexity_and_its_gsm8k_score():
     assert not verdicts(facts)["real.int4.gsm8k"].holds
     v = verdicts(real_facts(perplexity_change={}))["real.int4.perplexity"]
     assert "no dpo-int4-gptq stage" in v.missing
+
+
+def test_dpo_is_held_to_its_judged_win_rate_its_refusal_interval_and_the_benign_answers():
+    v = verdicts(real_facts())
+    assert v["real.dpo.judged"].measured == 0.64 and v["real.dpo.benign"].needed == pytest.approx(0.93)
+    facts = real_facts(judged=[{"checkpoint": "dpo", "parent": "grpo", "suite": "hh_harmful", "win_rate": 0.58,
+                                "n": 200}])
+    assert not verdicts(facts)["real.dpo.judged"].holds
+    facts = real_facts(judged=[{"checkpoint": "dpo", "parent": "sft", "suite": "hh_harmful", "win_rate": 0.7,
+                                "n": 200}])
+    assert "judged against 'sft'; the claim is against grpo" in verdicts(facts)["real.dpo.judged"].missing
+    assert "judged no dpo replies" in verdicts(real_facts(judged=[]))["real.dpo.judged"].missing
+    facts = real_facts(changes=[{"checkpoint": "dpo", "key": "hh_harmful", "diff": 0.05, "low": -0.01, "high": 0.1}])
+    assert not verdicts(facts)["real.dpo.refusal_interval"].holds
+    facts = real_facts()
+    facts.scores["dpo"]["benign"] = 0.92  # grpo 0.98 - 0.05 = 0.93
+    assert not verdicts(facts)["real.dpo.benign"].holds
+    facts.scores["dpo"]["hh_harmful_n"] = 50
+    v = verdicts(facts)["real.dpo.refusal_interval"]
+    assert not v.holds and "scored on 50 hh_harmful prompts; the claim needs at least 200" in v.missing
