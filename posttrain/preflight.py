@@ -11,6 +11,7 @@ Recipe keys and value types are checked earlier still, when the recipe is compos
 
 from __future__ import annotations
 
+import difflib
 import tempfile
 import warnings
 from pathlib import Path
@@ -160,4 +161,6 @@ def check_rewards(cfg) -> None:
     valid = [*REWARDS, "reward_model"]
     for name in cfg.grpo.rewards:
         if name not in valid:
-            raise RecipeError(f"grpo.rewards: unknown reward '{name}'; valid: {', '.join(valid)}")
+            close = difflib.get_close_matches(name, valid, n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise RecipeError(f"grpo.rewards: unknown reward '{name}'.{hint} Valid: {', '.join(valid)}")

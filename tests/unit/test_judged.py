@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import rewards.reward_model
-from posttrain.evaluation.scorecard import judged, render_judged
+from posttrain.evaluation.comparisons import judged, render_judged
 from posttrain.evaluation.suites import Suite
 from rewards.refusal import refusal
 

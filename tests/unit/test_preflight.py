@@ -21,7 +21,7 @@ def test_trl_config_checks_run_before_the_first_stage():
 
 def test_every_grpo_reward_name_exists():
     cfg = compose(["pipeline=tiny", "+grpo.rewards.code_verifer=0.5"])
-    with pytest.raises(RecipeError, match="grpo.rewards: unknown reward 'code_verifer'; valid: code_verifier"):
+    with pytest.raises(RecipeError, match="grpo.rewards: unknown reward 'code_verifer'. Did you mean 'code_verifier'"):
         preflight(cfg, ["grpo"])
 
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from posttrain.evaluation.scorecard import changes, render_markdown
+from posttrain.evaluation.comparisons import changes
+from posttrain.evaluation.scorecard import render_markdown
 from posttrain.evaluation.stats import clears, mean_interval, paired_difference
 
 
