@@ -163,15 +163,21 @@ def validate(raw: DictConfig, choices: dict[str, str], overrides: list[str]) -> 
     return cfg
 
 
+# Values a trainer field takes beyond its TRL type, resolved where the TRL config is built (posttrain.training)
+TRAINER_EXTRA_VALUES = {"bf16": ("auto",)}  # bf16 autocast where the hardware has bf16 arithmetic
+
+
 def _check_types(block, prefix: str, class_name: str, choices, overrides) -> None:
     """Each value of a trainer block against its field's type in TRL's config class: a value the class would take
     now and fail on later (a string for a learning rate) stops the run before any stage starts."""
     field_types = trl_field_types(class_name)
     for key, value in OmegaConf.to_container(block, resolve=True).items():
-        if key in field_types and not fits(value, field_types[key]):
+        extra = TRAINER_EXTRA_VALUES.get(key, ())
+        if key in field_types and not fits(value, field_types[key]) and value not in extra:
             full = f"{prefix}.{key}"
+            also = "".join(f" or {v!r}" for v in extra)
             raise RecipeError(f"recipe key '{full}' in {key_source(full, choices, overrides)} is {value!r}; expected "
-                              f"{describe(field_types[key])} (the type of {class_name}.{key})")
+                              f"{describe(field_types[key])}{also} (the type of {class_name}.{key})")
 
 
 def _check_stage_options(cfg: DictConfig, choices, overrides) -> None:

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from posttrain import sharding, tracking
 from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
+from posttrain.models.precision import resolve_bf16_auto
 from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
 
 log = logging.getLogger("posttrain")
@@ -218,6 +219,8 @@ def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: 
     import trl
 
     kwargs = OmegaConf.to_container(trainer_block, resolve=True) if not isinstance(trainer_block, dict) else dict(trainer_block)
+    if kwargs.get("bf16") == "auto":
+        resolve_bf16_auto(kwargs)
     kwargs.setdefault("seed", seed)
     kwargs.setdefault("output_dir", str(run.checkpoints))
     kwargs["report_to"] = tracking.report_to(tracking_cfg)

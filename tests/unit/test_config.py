@@ -126,7 +126,7 @@ def test_engine_rollouts_with_vllm_generation_is_refused_at_start_up():
     ("grpo.trainer.learning_rate=abc", "'grpo.trainer.learning_rate' in command-line override "
                                        "'grpo.trainer.learning_rate=abc' is 'abc'; expected float"),
     ("grpo.trainer.bf16=maybe", "'grpo.trainer.bf16' in command-line override 'grpo.trainer.bf16=maybe' is 'maybe'; "
-                                "expected bool or None (the type of GRPOConfig.bf16)"),
+                                "expected bool or None or 'auto' (the type of GRPOConfig.bf16)"),
     ("sft.trainer.max_steps=2.5", "'sft.trainer.max_steps' in command-line override 'sft.trainer.max_steps=2.5' is "
                                   "2.5; expected int (the type of SFTConfig.max_steps)"),
 ])
@@ -134,6 +134,10 @@ def test_trainer_values_are_checked_against_the_trl_field_types_at_start_up(over
     with pytest.raises(RecipeError) as error:
         compose(["pipeline=tiny", override])
     assert expected in str(error.value)
+
+
+def test_bf16_takes_auto_beside_the_trl_type():
+    assert compose(["pipeline=tiny", "grpo.trainer.bf16=auto"]).grpo.trainer.bf16 == "auto"
 
 
 def test_any_trl_field_is_a_valid_override_without_plus_and_misspellings_get_close_matches():

@@ -19,9 +19,13 @@ def gsm8k_row(label: str, accuracy: float, n: int = 200, refused: float = 0.1, a
 
 def real_facts(**changes) -> RunFacts:
     rows = [gsm8k_row("base", 0.04), gsm8k_row("sft", 0.15), gsm8k_row("grpo", 0.25),
-            gsm8k_row("dpo", 0.24, refused=0.3, answered=0.95), gsm8k_row("dpo-int4-gptq", 0.23)]
-    facts = RunFacts({r["checkpoint"]: r for r in rows}, 0.627, [], reward_model_pairs=400,
+            gsm8k_row("dpo", 0.24, refused=0.3, answered=0.95),
+            gsm8k_row("dpo-int4-gptq", 0.23, refused=0.29, answered=0.95)]
+    rewards = [0.1, 0.15, 0.1, 0.2, 0.15, 0.2, 0.25, 0.3, 0.25, 0.3]  # first 5 average 0.14, last 5 0.26
+    facts = RunFacts({r["checkpoint"]: r for r in rows}, 0.627, rewards, reward_model_pairs=400,
                      changes=[{"checkpoint": "sft", "parent": "base", "key": "gsm8k", "diff": 0.11, "low": 0.06,
+                               "high": 0.16, "n": 200},
+                              {"checkpoint": "grpo", "parent": "sft", "key": "gsm8k", "diff": 0.10, "low": 0.04,
                                "high": 0.16, "n": 200},
                               {"checkpoint": "dpo", "parent": "grpo", "key": "hh_harmful", "diff": 0.2, "low": 0.13,
                                "high": 0.27, "n": 200}],
@@ -109,3 +113,30 @@ def test_dpo_is_held_to_its_judged_win_rate_its_refusal_interval_and_the_benign_
     facts.scores["dpo"]["hh_harmful_n"] = 50
     v = verdicts(facts)["real.dpo.refusal_interval"]
     assert not v.holds and "scored on 50 hh_harmful prompts; the claim needs at least 200" in v.missing
+
+
+def test_grpo_is_held_to_its_gain_its_interval_its_reward_curve_and_the_other_suites():
+    v = verdicts(real_facts())
+    assert v["real.grpo.reward_rises"].measured == pytest.approx(0.26)
+    facts = real_facts()
+    facts.scores["grpo"]["gsm8k"] = 0.22  # sft 0.15 + 0.08 = 0.23
+    assert not verdicts(facts)["real.grpo.gsm8k_gain"].holds
+    facts = real_facts(changes=[{"checkpoint": "grpo", "key": "gsm8k", "diff": 0.08, "low": 0.0, "high": 0.15}])
+    assert not verdicts(facts)["real.grpo.gsm8k_interval"].holds
+    assert not verdicts(real_facts(grpo_rewards=[0.3] * 5 + [0.2] * 5))["real.grpo.reward_rises"].holds
+    assert "reward curve has 4 steps" in verdicts(real_facts(grpo_rewards=[0.1] * 4))["real.grpo.reward_rises"].missing
+    facts = real_facts()
+    facts.scores["grpo"]["benign"] = 0.94  # sft answered 0.98: moved 0.04
+    v = verdicts(facts)
+    assert not v["real.grpo.benign_steady"].holds and v["real.grpo.benign_steady"].measured == pytest.approx(0.04)
+    facts.scores["grpo"]["hh_harmful"] = 0.07  # sft 0.10: moved 0.03, on the bar
+    assert verdicts(facts)["real.grpo.hh_harmful_steady"].holds
+    facts.scores["sft"]["hh_harmful_n"] = 12
+    assert "'sft' was scored on 12 hh_harmful prompts" in verdicts(facts)["real.grpo.hh_harmful_steady"].missing
+
+
+def test_int4_is_held_to_the_rates_of_every_suite_with_enough_prompts():
+    facts = real_facts()
+    facts.scores["dpo-int4-gptq"]["hh_harmful"] = 0.26  # dpo 0.30
+    v = verdicts(facts)
+    assert not v["real.int4.hh_harmful"].holds and v["real.int4.benign"].holds

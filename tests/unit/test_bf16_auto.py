@@ -1,0 +1,52 @@
+"""`bf16: auto` in a trainer block: bf16 autocast on hardware with bf16 arithmetic, float32 elsewhere, resolved where
+the TRL config is built (so preflight checks what the stage will run)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from posttrain import training
+from posttrain.models import precision
+
+
+def sft_args(tmp_path, monkeypatch, flags: set[str], **block):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    run = training.StageRun(name="sft", out_dir=tmp_path / "sft", parent=None, config={}, config_hash="",
+                            run_name="t")
+    return training.trl_args("SFTConfig", {"max_steps": 1, "bf16": "auto", **block}, run, SimpleNamespace(backend="none"), 0)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"avx512f", "avx512_bf16"}, True),   # AMD Zen 4
+    ({"avx512f", "amx_bf16", "amx_tile"}, True),  # Intel Sapphire / Emerald Rapids
+    ({"avx2", "fma", "avx512f"}, False),  # AVX-512 without BF16: torch would emulate it
+    (set(), False),  # no /proc/cpuinfo
+])
+def test_auto_is_bf16_on_a_cpu_exactly_when_it_has_bf16_dot_products(tmp_path, monkeypatch, flags, expected):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = sft_args(tmp_path, monkeypatch, flags)
+    assert args.bf16 is expected
+    assert args.use_cpu is expected  # TRL refuses bf16 off a GPU without use_cpu; float32 leaves it as it was
+
+
+def test_auto_keeps_a_recipe_that_asked_for_the_cpu_on_it(tmp_path, monkeypatch):
+    args = sft_args(tmp_path, monkeypatch, {"avx512_bf16"}, use_cpu=True)
+    assert args.bf16 is True and args.use_cpu is True
+
+
+def test_an_explicit_bf16_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx512_bf16"})
+    run = training.StageRun(name="sft", out_dir=tmp_path / "sft", parent=None, config={}, config_hash="",
+                            run_name="t")
+    args = training.trl_args("SFTConfig", {"max_steps": 1, "bf16": False, "use_cpu": True}, run,
+                             SimpleNamespace(backend="none"), 0)
+    assert args.bf16 is False
+
+
+def test_cpu_flags_reads_this_machine():
+    flags = precision.cpu_flags()
+    assert isinstance(flags, set)
+    if flags:  # Linux: every x86-64 CPU lists sse2, every arm64 one fp
+        assert {"sse2", "fp"} & flags
