@@ -64,7 +64,8 @@ def test_the_planner_would_reject_a_launcher_that_does_not_fit():
 def test_smollm2_pipeline_composes_offline_on_the_cpu_recipes():
     cfg = compose(["pipeline=smollm2"])
     assert cfg.model.source == "gguf" and cfg.pipeline.launcher == "single"
-    assert cfg.sft.lora is None and cfg.dpo.lora is not None  # full SFT on GSM8K solutions; LoRA DPO
+    assert cfg.sft.lora is None and cfg.dpo.lora is not None  # SFT of the top layers on GSM8K solutions; LoRA DPO
+    assert cfg.sft.train_top_layers == 15 and cfg.sft.trainer.bf16 == "auto"
     assert cfg.data.gsm8k.n > 0 and cfg.eval.base and cfg.eval.gsm8k.max_calculations == 2
     assert cfg.reward_model.pairs.source == "hh_rlhf" and cfg.eval.n_prompts.gsm8k >= 200
     for path in (cfg.data.path, cfg.data.gsm8k.path, cfg.grpo.prompts.path, cfg.dpo.pairs.path, cfg.eval.gsm8k.path,
