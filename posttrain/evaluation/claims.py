@@ -148,6 +148,7 @@ MIN_GSM8K = 200  # held-out GSM8K test problems a GSM8K claim needs
 MIN_PAIRS = 300  # held-out preference pairs the reward model's claim needs
 MIN_PROMPTS = 200  # held-out prompts a DPO claim needs (harmful first turns, benign prompts)
 INT4 = "dpo-int4-gptq"
+PASS_AT_1_SAMPLES = 4  # replies a problem from which GRPO's GSM8K claims read pass@1 rather than the greedy score
 # "above x" as a ">=" bar: Verdict.holds forgives 1e-9 of float rounding, so a bar of exactly x would let an interval
 # that ends on x hold; differences of rates over 200+ prompts step by 1/n, far above this
 ABOVE = 1e-6
@@ -165,6 +166,20 @@ def _gsm8k(checkpoint: str, offset: float = 0.0) -> Callable[[RunFacts], float]:
         if n < MIN_GSM8K:
             raise ClaimsError(f"'{checkpoint}' was scored on {n} GSM8K problems; the claim needs at least {MIN_GSM8K}")
         return f.score(checkpoint, "gsm8k") + offset
+    return measure
+
+
+def _grpo_key(f: RunFacts) -> str:
+    """What GRPO's GSM8K claims read: pass@1 when the suite sampled at least PASS_AT_1_SAMPLES replies a problem
+    (eval.gsm8k.samples), else the greedy score. GRPO trains on sampled replies, and sharpens them first."""
+    samples = (f.eval_config.get("gsm8k") or {}).get("samples") or 0
+    return "gsm8k_pass@1" if samples >= PASS_AT_1_SAMPLES else "gsm8k"
+
+
+def _grpo_gsm8k(checkpoint: str, offset: float = 0.0) -> Callable[[RunFacts], float]:
+    def measure(f: RunFacts) -> float:
+        _gsm8k(checkpoint)(f)  # enough problems, of the right kind
+        return f.score(checkpoint, _grpo_key(f)) + offset
     return measure
 
 
@@ -252,9 +267,11 @@ REAL_CLAIMS: list[Claim] = [
           _hh_accuracy, _const(0.58)),
     Claim("real.reward_model.interval", "reward model accuracy: 95% Wilson lower bound > 0.50", _hh_lower_bound,
           _const(0.50 + ABOVE)),
-    Claim("real.grpo.gsm8k_gain", "grpo GSM8K greedy >= sft's + 0.08", _gsm8k("grpo"), _gsm8k("sft", 0.08)),
-    Claim("real.grpo.gsm8k_interval", "grpo - sft GSM8K: paired 95% interval above 0", _change("grpo", "gsm8k", "low"),
-          _const(ABOVE)),
+    # GSM8K greedy, or pass@1 where eval.gsm8k.samples >= 4
+    Claim("real.grpo.gsm8k_gain", "grpo GSM8K (greedy, or pass@1 of k >= 4) >= sft's + 0.08", _grpo_gsm8k("grpo"),
+          _grpo_gsm8k("sft", 0.08)),
+    Claim("real.grpo.gsm8k_interval", "grpo - sft GSM8K (the same measure): paired 95% interval above 0",
+          lambda f: _change("grpo", _grpo_key(f), "low")(f), _const(ABOVE)),
     Claim("real.grpo.reward_rises", f"GRPO's mean reward over its last {WINDOW} steps > over its first {WINDOW}",
           lambda f: _window_mean(f.grpo_rewards, first=False), lambda f: _window_mean(f.grpo_rewards, first=True)
           + 1e-6),

@@ -140,3 +140,19 @@ def test_int4_is_held_to_the_rates_of_every_suite_with_enough_prompts():
     facts.scores["dpo-int4-gptq"]["hh_harmful"] = 0.26  # dpo 0.30
     v = verdicts(facts)
     assert not v["real.int4.hh_harmful"].holds and v["real.int4.benign"].holds
+
+
+def test_grpo_reads_pass_at_1_when_the_gsm8k_suite_sampled_four_replies_a_problem():
+    facts = real_facts(eval_config={"gsm8k": {"max_calculations": 2, "samples": 4}})
+    facts.scores["sft"]["gsm8k_pass@1"], facts.scores["grpo"]["gsm8k_pass@1"] = 0.08, 0.17
+    facts.scores["grpo"]["gsm8k"] = 0.15  # greedy unmoved: the claim reads pass@1 now
+    facts.changes.append({"checkpoint": "grpo", "parent": "sft", "key": "gsm8k_pass@1", "diff": 0.09, "low": 0.05,
+                          "high": 0.13, "n": 200})
+    facts.changes[1]["low"] = -0.03  # the greedy change's interval, which the claim no longer reads
+    v = verdicts(facts)
+    assert v["real.grpo.gsm8k_gain"].holds and v["real.grpo.gsm8k_gain"].measured == pytest.approx(0.17)
+    assert v["real.grpo.gsm8k_interval"].holds and v["real.grpo.gsm8k_interval"].measured == 0.05
+    facts.scores["grpo"]["gsm8k_pass@1"] = 0.15  # sft's 0.08 + 0.08 = 0.16
+    assert not verdicts(facts)["real.grpo.gsm8k_gain"].holds
+    facts = real_facts(eval_config={"gsm8k": {"max_calculations": 2, "samples": 2}})  # too few: greedy
+    assert verdicts(facts)["real.grpo.gsm8k_gain"].measured == pytest.approx(0.25)
