@@ -37,11 +37,7 @@ def test_auto_keeps_a_recipe_that_asked_for_the_cpu_on_it(tmp_path, monkeypatch)
 
 
 def test_an_explicit_bf16_is_left_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx512_bf16"})
-    run = training.StageRun(name="sft", out_dir=tmp_path / "sft", parent=None, config={}, config_hash="",
-                            run_name="t")
-    args = training.trl_args("SFTConfig", {"max_steps": 1, "bf16": False, "use_cpu": True}, run,
-                             SimpleNamespace(backend="none"), 0)
+    args = sft_args(tmp_path, monkeypatch, {"avx512_bf16"}, bf16=False, use_cpu=True)
     assert args.bf16 is False
 
 
