@@ -122,7 +122,7 @@ class _Columns:
             col_codes = scaled.round_().clamp_(self.low, self.high)
             col_deq = (col_codes if col_zero is None else col_codes - col_zero) * col_scale
             error = (w_col - col_deq) / block_upper[i, i]  # [out]
-            block_weight[:, i + 1:] -= error[:, None] * block_upper[i:i + 1, i + 1:]
+            block_weight[:, i + 1:].addr_(error, block_upper[i, i + 1:], alpha=-1)  # in place: no [out, b] temporary
             block_error[:, i] = error
             block_codes[:, i] = col_codes
         return block_error, block_codes.to(torch.int8)

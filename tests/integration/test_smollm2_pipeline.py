@@ -93,29 +93,38 @@ def test_serving_four_checkpoints_in_turn_holds_no_more_memory_than_one(smollm2,
 
 # --- the whole real-model pipeline, a handful of steps per stage -----------------------------------------------------
 # One run of `pipeline=smollm2` with its step counts cut, read by every test below: the chain's wiring (each
-# checkpoint and the base model scored on each suite) and what each training stage did to SmolLM2's weights. SFT: 3
-# steps of 2 rows on the Dolly rows and 8 GSM8K solutions (the recipe's top 15 layers), a loss logged at each.
-# Reward model: 2 steps on 8 HH-RLHF pairs, 4 held out. GRPO: one step of 2 GSM8K prompts x 4 samples (no gradient accumulation: with
-# the recipe's 4 micro-batches a step would want 8 prompts, and 2 prompts gave no optimizer step at all, global_step
-# 0, which the pipeline test before this one did not notice). DPO: 3 LoRA steps on 2 training HH-RLHF pairs in one
-# batch, so each step's logged margin shows what the earlier steps did to the same pairs; its held-out pairs are the
-# reward model's 4; the pairs are cut at 256 tokens. int4 GPTQ calibrates on 2 rows. Eval asks one prompt a suite
-# (the served context for the longest prompts is checked below), replies cut at 16 tokens: prefilling the prompts
-# dominates its time (10 prompts, 2 of each suite, took 12.9 s a checkpoint on 2 threads).
+# checkpoint and the base model scored on each suite) and what each training stage did to SmolLM2's weights.
+# - SFT: 3 steps of 2 rows on the Dolly rows and 8 GSM8K solutions (the recipe's top 15 layers), a loss logged at
+#   each; 2 Dolly rows held out rather than the recipe's 8 (SFT measures their perplexity before and after: the 8
+#   long rows took 22 s of the run).
+# - Reward model: 2 steps on 8 HH-RLHF pairs, 2 held out.
+# - GRPO: one step of 2 GSM8K prompts x 4 samples. No gradient accumulation: with the recipe's 4 micro-batches a step
+#   would want 8 prompts, and 2 prompts gave no optimizer step at all (global_step 0, which the pipeline test before
+#   this one did not notice). No warm-up: the recipe's 2 warm-up steps make the one step's learning rate 0, and the
+#   weights stayed put although some group's rewards differed.
+# - DPO: 2 LoRA steps on 2 training HH-RLHF pairs in one batch, so the second step's logged margin shows what the
+#   first did to the same pairs; its held-out pairs are the reward model's 2, and its likelihood shift reads the first
+#   (dpo.shift_pairs: each held-out pair is a reference and a policy pass of ~500 tokens); pairs cut at 256 tokens.
+# - int4 GPTQ calibrates on 2 rows.
+# - Eval asks one prompt a suite (the served context for the longest prompts is checked below), replies cut at 16
+#   tokens, on a KV cache of 8 rows rather than 64 (zeroing and growing 64 rows took ~4 s of each checkpoint's ~15 s).
+# Profiled with py-spy at one thread: these cuts took the run from 267 s (in CI) to under 180 s.
+HELD_OUT = 2  # Dolly rows held out (data.held_out): the last 2 of the 49
 SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.logging_steps=1",
          "sft.trainer.max_length=256", "sft.trainer.per_device_train_batch_size=2", "data.gsm8k.n=8",
          "reward_model.trainer.max_steps=2", "reward_model.trainer.save_steps=2", "reward_model.pairs.n_train=8",
-         "reward_model.pairs.n_eval=4", "reward_model.trainer.per_device_train_batch_size=2",
+         "reward_model.pairs.n_eval=2", "reward_model.trainer.per_device_train_batch_size=2",
          "reward_model.trainer.gradient_accumulation_steps=1", "reward_model.trainer.warmup_steps=0",
          "reward_model.trainer.max_length=256",
          "grpo.trainer.max_steps=1", "grpo.trainer.save_steps=1", "grpo.prompts.n=2",
          "grpo.trainer.per_device_train_batch_size=8", "grpo.trainer.gradient_accumulation_steps=1",
-         "grpo.trainer.max_completion_length=32",
-         "dpo.pairs.n_train=2", "dpo.trainer.max_steps=3", "dpo.trainer.save_steps=3",
+         "grpo.trainer.max_completion_length=32", "grpo.trainer.warmup_steps=0",
+         "dpo.pairs.n_train=2", "dpo.trainer.max_steps=2", "dpo.trainer.save_steps=2",
          "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
          "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=256",
-         "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false",
-         "quantize.calibration_rows=2", "quantize.eval_rows=2",
+         "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false", "dpo.shift_pairs=1",
+         "quantize.calibration_rows=2", "quantize.eval_rows=2", f"data.held_out={HELD_OUT}",
+         "serve.max_batch=8", "eval.concurrency=8",
          "eval.n_prompts={gsm8k: 1, math500: 1, pku_saferlhf: 1, hh_harmful: 1, benign: 1}", "eval.max_new_tokens=16",
          "eval.latency.requests=1", "eval.latency.max_tokens=8"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # recipes/pipeline/smollm2.yaml: grpo and dpo
@@ -202,33 +211,37 @@ def test_sft_on_dolly_and_gsm8k_solutions_moves_the_top_15_layers_only(smoke):
     assert sorted(moved) == sorted(trained), (sorted(set(trained) - set(moved))[:4],
                                               sorted(set(moved) - set(trained))[:4])
 
-    # The recipe holds out the last 8 of the 49 Dolly rows (data.held_out): SFT trains on the other 41 and the GSM8K
-    # solutions, and measures the Dolly perplexity on those 8 before and after.
+    # The data holds out the last HELD_OUT of the 49 Dolly rows (data.held_out; the recipe's 8): SFT trains on the
+    # others and the GSM8K solutions, and measures the Dolly perplexity on the held-out rows before and after.
     train_record, held_record = manifest["datasets"]
     solutions = train_record["gsm8k_solutions"]
-    assert train_record["rows"] == 41 and held_record["rows"] == 8 and held_record["role"] == "perplexity"
+    assert train_record["rows"] == 49 - HELD_OUT and held_record["rows"] == HELD_OUT
+    assert held_record["role"] == "perplexity"
     assert solutions["rows"] == 8 and "1 to 2 calculations" in solutions["id"]
-    assert metrics["rows"] + metrics["rows_dropped_by_max_length"] == 41 + 8  # rows past max_length 256 drop
+    assert metrics["rows"] + metrics["rows_dropped_by_max_length"] == 49 - HELD_OUT + 8  # past max_length 256 drop
     assert [c["dataset"] for c in train_record["check"]] == ["databricks-dolly-15k", "gsm8k"]
     assert all(c["ok"] and c["overlap"]["gsm8k:test"]["exact"] == 0 for c in train_record["check"][1:])
     held = metrics["held_out_perplexity"]
     print(f"smollm2: sft held-out perplexity {held}")
-    assert held["held_out_rows"] == 8 and 1 < held["parent"] < 100 and 1 < held["trained"] < 100
+    assert held["held_out_rows"] == HELD_OUT and 1 < held["parent"] < 100 and 1 < held["trained"] < 100
     assert held["parent"] != held["trained"]
 
 
 @trains_on_shared(DOLLY, "the Dolly rows")
 def test_int4_calibrates_on_training_rows_and_measures_perplexity_on_the_held_out_ones(smoke):
     """Quantize's calibration rows are SFT's training rows; its perplexity rows are the first quantize.eval_rows (2
-    here) of the 8 rows the data holds out, which SFT measured and did not train on. Before data.held_out, 7 of the 8
-    perplexity rows were among the 48 calibration rows, and SFT had trained on all 8."""
+    here) of the rows the data holds out (HELD_OUT here, 8 in the recipe), which SFT measured and did not train on.
+    Before data.held_out, 7 of the 8 perplexity rows were among the 48 calibration rows, and SFT had trained on all
+    8."""
     run, _ = smoke
     _, sft = stage(run, "sft")
     _, manifest = stage(run, "quantize-int4-gptq")
     calibration, held_out = manifest["datasets"]
-    assert calibration["role"] == "calibration" and calibration["content_sha256"] == sft["datasets"][0]["content_sha256"]
+    assert calibration["role"] == "calibration"
+    assert calibration["content_sha256"] == sft["datasets"][0]["content_sha256"]
     rows, _ = load_dolly(str(DOLLY), None)
-    assert held_out["rows"] == 2 and held_out["content_sha256"] == sha256_json([r["messages"] for r in rows[-8:][:2]])
+    assert held_out["rows"] == 2
+    assert held_out["content_sha256"] == sha256_json([r["messages"] for r in rows[-HELD_OUT:][:2]])
     perplexity = manifest["metrics"]["perplexity"]
     print(f"smollm2: int4 held-out perplexity {perplexity}")
     assert perplexity["held_out_rows"] == 2 and math.isfinite(perplexity["change"])
@@ -258,28 +271,28 @@ def test_grpo_on_gsm8k_prompts_scores_completions_with_the_math_verifier(smoke):
 @trains_on_shared(HH, "the HH-RLHF pairs")
 def test_lora_dpo_on_hh_rlhf_pairs_moves_the_adapters_and_reports_the_shift(smoke):
     """recipes/dpo/hh_rlhf.yaml on SmolLM2 (from the GRPO model, its reference): 2 training pairs (chosen = the less
-    harmful reply) in one batch, 3 LoRA steps; the held-out pairs are the reward model's (4 here: the same file,
+    harmful reply) in one batch, 2 LoRA steps; the held-out pairs are the reward model's (2 here: the same file,
     n_eval and data seed), whole conversations that no stage trained on."""
     run, _ = smoke
     stage_dir, manifest = stage(run, "dpo")
-    assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 3
+    assert manifest["stage"] == "dpo" and manifest["lora"] is True and manifest["metrics"]["global_step"] == 2
     record = manifest["datasets"][0]
-    assert record["card"] == "data_cards/hh-rlhf.md" and record["rows"] == 2 and record["held_out"] >= 4
+    assert record["card"] == "data_cards/hh-rlhf.md" and record["rows"] == 2 and record["held_out"] >= 2
     assert record["dropped_by_max_length"] == 0  # both prompts (231 and 196 tokens) fit max_length 256
     _, reward_model = stage(run, "reward_model")
     assert record["held_out"] == reward_model["datasets"][0]["held_out"]
     assert record["conversations"]["held_out"] == reward_model["datasets"][0]["conversations"]["held_out"]
     shift = manifest["metrics"]["likelihood_shift"]
     print(f"smollm2: likelihood shift {json.dumps(shift)}")
-    assert shift["held_out_pairs"] == record["held_out"]
+    assert shift["held_out_pairs"] == 1  # dpo.shift_pairs
     for key in ("chosen_logp_per_token", "rejected_logp_per_token"):
         assert math.isfinite(shift[key]["shift"]) and shift[key]["reference"] < 0
     losses = [h["loss"] for h in manifest["metrics"]["log_history"] if "loss" in h]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-    # One batch holds both training pairs, so each step's logged margin (policy vs reference, measured before
-    # that step's update) shows what the earlier steps did to the same pairs: 0 at step 1, then growing.
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    # One batch holds both training pairs, so the second step's logged margin (policy vs reference, measured before
+    # that step's update) shows what the first step's update did to the same pairs: 0 at step 1, then above 0.
     margins = [h["rewards/margins"] for h in manifest["metrics"]["log_history"] if "rewards/margins" in h]
-    assert len(margins) == 3 and margins[0] == 0 and margins[2] > margins[1] > 0, margins
+    assert len(margins) == 2 and margins[0] == 0 and margins[1] > 0, margins
 
     # Merged adapters: the attention projections moved, nothing else did.
     moved, names = changed(stage(run, "grpo")[0] / "model", stage_dir / "model")
