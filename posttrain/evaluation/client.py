@@ -64,7 +64,7 @@ def reply_text(message) -> str:
     return f"<think>\n{reasoning}" + (f"\n</think>\n\n{content}" if content else "")
 
 
-async def _chat_all(client, model: str, conversations, max_tokens: int, concurrency: int, samples: int,
+async def _chat_all(client, model: str, conversations, max_tokens: int | list[int], concurrency: int, samples: int,
                     temperature: float, seed: int, desc: str, progress=None, extra_body: dict | None = None):
     gate = asyncio.Semaphore(concurrency)
     bar = progress if progress is not None else tqdm(total=len(conversations), desc=desc, unit="prompt",
@@ -76,14 +76,13 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
                                                                 "n": samples, "seed": seed + 1000 * index}
             if extra_body:
                 kwargs["extra_body"] = extra_body
-            reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                         **kwargs)
+            kwargs["max_tokens"] = max_tokens[index] if isinstance(max_tokens, list) else max_tokens
+            reply = await client.chat.completions.create(model=model, messages=messages, **kwargs)
             texts = [reply_text(c.message) for c in sorted(reply.choices, key=lambda c: c.index)]
             # A server that ignores `n` (llama.cpp's answers one choice) gets the rest asked for one at a time.
             for extra in range(len(texts), samples):
                 kwargs.update(n=1, seed=seed + 1000 * index + extra)
-                more = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                            **kwargs)
+                more = await client.chat.completions.create(model=model, messages=messages, **kwargs)
                 texts.append(reply_text(more.choices[0].message))
             bar.update(1)
             return texts if samples else texts[0]
@@ -95,12 +94,13 @@ async def _chat_all(client, model: str, conversations, max_tokens: int, concurre
             bar.close()
 
 
-def chat_replies(base_url: str, api_key: str, model: str, conversations: list[list[dict]], max_tokens: int,
-                 concurrency: int = 64, samples: int = 0, temperature: float = 1.0, seed: int = 0,
+def chat_replies(base_url: str, api_key: str, model: str, conversations: list[list[dict]],
+                 max_tokens: int | list[int], concurrency: int = 64, samples: int = 0, temperature: float = 1.0, seed: int = 0,
                  desc: str = "eval", timeout: float = 600.0, progress: CheckpointProgress | None = None,
                  extra_body: dict | None = None) -> list[str] | list[list[str]]:
-    """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`. Each reply
-    advances `progress` (else a bar of this call's own, shown on a terminal only)."""
+    """One greedy reply per conversation (samples=0), or `samples` replies each drawn at `temperature`, each at most
+    `max_tokens` long (one limit for all, or one per conversation). Each reply advances `progress` (else a bar of
+    this call's own, shown on a terminal only)."""
     from openai import AsyncOpenAI
 
     async def run():

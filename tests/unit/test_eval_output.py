@@ -32,7 +32,7 @@ def stub_app(received: list[str]):
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
-        received.append("stream" if body.get("stream") else "chat")
+        received.append("stream" if body.get("stream") else f"chat n={body.get('n') or 1} max={body['max_tokens']}")
         if not body.get("stream"):
             choices = [{"index": i, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
                        for i in range(body.get("n") or 1)]
@@ -112,6 +112,7 @@ def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers
         assert (row["echo"], row["arith"], row["arith_pass@1"], row["latency"]["requests"]) == (1.0, 1.0, 1.0, 2)
     # every request of both checkpoints went through the HTTP stack, and each server released its engine on exit
     assert received.count("release") == 2 and len(received) == 2 * total + 2
+    assert sum(r.startswith("chat") for r in received) == 2 * (5 + 4 + 4)
     # the eval verified each checkpoint's weights itself and served its model/ directory: no second hash
     assert resolved == [str(tmp_path / "pretrain" / "model"), str(tmp_path / "dpo" / "model")]
     assert capsys.readouterr().err == ""  # stderr is not a terminal here: no bar, no line per request
@@ -121,6 +122,29 @@ def test_eval_logs_one_summary_per_checkpoint_and_no_request_lines(fresh_loggers
     assert messages[1].endswith("s; echo 1.000, arith 1.000 (pass@1 1.000)")
     for name in HTTP_LOGGERS:
         assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING, name
+
+
+def test_every_suites_greedy_requests_go_out_together_each_with_its_own_reply_budget(stub_server, monkeypatch,
+                                                                                      tmp_path):
+    """The server batches whatever requests are waiting, so a checkpoint's greedy requests go out at once, suite by
+    suite only in order: suites sent one after another would decode as many batches, each as long as its longest
+    reply. Each request still carries its own suite's max_new_tokens, and each suite scores its own replies."""
+    from posttrain.evaluation import scorecard
+
+    received, _ = stub_server
+    monkeypatch.setattr(scorecard, "verify_artifact", lambda d: {"stage": d.name})
+    monkeypatch.setattr(scorecard, "weight_files", lambda d: [])
+    echo, arith = stub_suites()
+    echo.max_new_tokens, arith.max_new_tokens = 5, 7
+    eval_cfg = SimpleNamespace(latency=SimpleNamespace(requests=0, max_tokens=2), concurrency=16, max_new_tokens=None)
+    serve_cfg = OmegaConf.create({"api_key": None, "dtype": "float32", "max_batch": 16, "max_len": 64,
+                                  "backend": "posttrain"})
+    row = scorecard.score_checkpoint(tmp_path / "sft", [arith, echo], eval_cfg, serve_cfg)
+    assert (row["arith_n"], row["echo_n"], row["arith_pass@1"]) == (4, 5, 1.0)
+    chats = [r for r in received if r.startswith("chat")]
+    greedy, sampled = chats[:9], chats[9:]  # the sampled suite (arith) comes first, its samples after every greedy
+    assert sorted(greedy) == sorted(["chat n=1 max=7"] * 4 + ["chat n=1 max=5"] * 5), chats
+    assert sampled == ["chat n=3 max=7"] * 4, chats
 
 
 def test_progress_on_a_terminal_is_one_bar_redrawn_in_place(caplog):
