@@ -14,6 +14,7 @@ import json
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from posttrain.chat.render import MaskError, render_chat, tokenize_with_assistant_mask
@@ -67,7 +68,8 @@ class Report:
             lines.append(f"  maps to   {self.stats['examples']} {self.stats['example_kind']}")
         tok = self.stats.get("tokens")
         if tok:
-            lines.append(f"  tokens    p50 {tok['p50']}, p90 {tok['p90']}, p99 {tok['p99']}, max {tok['max']} "
+            of = f"of the {tok['rows']} trained, " if tok.get("trained_only") else ""
+            lines.append(f"  tokens    {of}p50 {tok['p50']}, p90 {tok['p90']}, p99 {tok['p99']}, max {tok['max']} "
                          f"({tok['model']}); {tok['over_max_len']} over max_len {tok['max_len']}")
             if tok.get("trained_fraction") is not None:
                 lines.append(f"  trained   {tok['trained_fraction']:.1%} of tokens carry loss")
@@ -309,10 +311,14 @@ def token_stats(examples: list, tokenizer, model: str, max_len: int, template_kw
 
 # --- the whole check -----------------------------------------------------------------------------------------------
 def check_rows(rows: list, spec: Spec, *, source: str, split: str | None = None, sample: bool = False,
-               expected_rows: int | None = None, completion_loss: bool = True, tokenizer=None, model: str = "", max_len: int = 2048, template_kwargs: dict | None = None,
-               eval_sets: dict[str, list[str]] | None = None, unavailable: list[str] = ()) -> Report:
+               expected_rows: int | None = None, completion_loss: bool = True, tokenizer=None, model: str = "",
+               max_len: int = 2048, template_kwargs: dict | None = None,
+               eval_sets: dict[str, list[str]] | None = None, unavailable: list[str] = (),
+               token_rows: Collection[int] | None = None) -> Report:
     """Check `rows` (as read, before any conversion) against `spec`. `eval_sets` maps an eval set's name to its
-    prompts; `unavailable` names eval sets that could not be loaded here (reported, not compared)."""
+    prompts; `unavailable` names eval sets that could not be loaded here (reported, not compared). `token_rows`
+    (row numbers, from 1): tokenize only these rows, the ones a stage trains on, when it trains on a few rows of a
+    file whose every row the other checks read (tokenizing is the slow part); None tokenizes every row."""
     collect, findings = Collector(), []
     note = row_count_note(len(rows), spec, split, sample, expected_rows, findings)
     if not rows:
@@ -321,8 +327,11 @@ def check_rows(rows: list, spec: Spec, *, source: str, split: str | None = None,
     stats: dict = {"duplicates": duplicate_check(rows, spec, good, collect)}
     kind, examples = map_rows(rows, spec, good, source, collect)
     stats.update(examples=len(examples), example_kind=kind)
-    if tokenizer is not None and examples:
-        stats["tokens"] = token_stats(examples, tokenizer, model, max_len, template_kwargs or {}, collect)
+    tokenized = examples if token_rows is None else [(i, ex) for i, ex in examples if i in token_rows]
+    if tokenizer is not None and tokenized:
+        stats["tokens"] = token_stats(tokenized, tokenizer, model, max_len, template_kwargs or {}, collect)
+        if stats["tokens"] and token_rows is not None:
+            stats["tokens"]["trained_only"] = True
         if stats["tokens"] and not completion_loss:  # a reward model scores whole sequences: no per-token loss
             stats["tokens"]["trained_fraction"] = None
     prompts = [(i, text) for i, ex in examples if (text := prompt_text(ex))]

@@ -26,6 +26,7 @@ class Job:
     split: str | None
     sample: bool = False
     expected_rows: int | None = None
+    token_rows: frozenset[int] | None = None  # the rows (numbered from 1) the stage trains on; None: every row
 
 
 # --- the tiny world's families, made as the tiny recipes make them -------------------------------------------------

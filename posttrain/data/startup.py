@@ -11,6 +11,7 @@ user's own slice is not the full dataset and is not an error.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from posttrain.data.cards import load_card
 from posttrain.data.check import Report, check_rows
 from posttrain.data.dolly import DataError, read_rows
 from posttrain.data.gsm8k import solution_rows
+from posttrain.data.hh_rlhf import hh_pairs
 from posttrain.data.jobs import Job, eval_prompt_sets
 from posttrain.data.prompts import PROMPT_SOURCES, prompt_rows
 
@@ -73,7 +75,8 @@ def startup_check(stage: str, jobs: list[Job], tokenizer, max_len: int | None, t
                             expected_rows=job.expected_rows, tokenizer=tokenizer,
                             model=getattr(tokenizer, "name_or_path", "") or stage, max_len=max_len,
                             completion_loss=stage != "reward_model",
-                            template_kwargs=template_kwargs, eval_sets=sets, unavailable=unavailable)
+                            template_kwargs=template_kwargs, eval_sets=sets, unavailable=unavailable,
+                            token_rows=job.token_rows)
         log.info("%s: data check\n%s", stage, report.text())
         if not report.ok:
             raise DataError(f"{stage}: {job.source} breaks its data card ({job.spec.name}); fix the data or the "
@@ -99,7 +102,8 @@ def sft_jobs(data_cfg, rows: list[dict]) -> list[Job]:
 
 
 def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
-    """The training pairs of the reward model or DPO (held-out pairs are evaluation data, not checked here)."""
+    """The file the reward model's or DPO's training pairs come from. For HH-RLHF the check tokenizes only the rows
+    that became `train_pairs` (held-out pairs are evaluation data); a PKU-SafeRLHF file is tokenized whole."""
     if pairs_cfg.source == "tiny":
         return tiny_jobs(train_pairs, lambda r: "preference_pairs", {"preference_pairs": len(train_pairs)},
                          "tiny_world/preference_pairs")
@@ -120,7 +124,24 @@ def pair_jobs(pairs_cfg, train_pairs: list[dict]) -> list[Job]:
                    pairs_cfg.split or "train", limited=bool(pairs_cfg.n_train))
     # the recipe's bad-row policy (and PKU's preference) decide which rows are bad pairs, as in the stage itself
     policy = {"on_bad_row": pairs_cfg.on_bad_row} | ({} if hh else {"preference": pairs_cfg.preference})
-    return [replace(job, spec=replace(job.spec, mapping={**job.spec.mapping, **policy}))]
+    return [replace(job, spec=replace(job.spec, mapping={**job.spec.mapping, **policy}),
+                    token_rows=hh_training_rows(raw, train_pairs) if hh else None)]
+
+
+def hh_training_rows(raw: list[dict], train_pairs: list[dict]) -> frozenset[int]:
+    """The numbers (from 1) of the HH-RLHF rows that became `train_pairs`. The check reads every row of the file
+    (its count, bad rows, duplicates, overlap) but tokenizes only these: the held-out conversations are eval data,
+    and DPO trains on 64 of the file's 2,312 rows."""
+    def identity(pair: dict) -> str:
+        return json.dumps([pair["prompt"], pair["chosen"], pair["rejected"]])
+
+    wanted = {identity(p) for p in train_pairs}
+    rows = set()
+    for number, row in enumerate(raw, start=1):
+        parsed, _ = hh_pairs([row], "", on_bad_row="drop", quiet=True)
+        if parsed and identity(parsed[0]) in wanted:
+            rows.add(number)
+    return frozenset(rows)
 
 
 def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:
