@@ -71,7 +71,8 @@ def quiet_eval_output() -> None:
 def evaluate(cfg, run_dir: Path, stage_dirs: list[Path]) -> dict:
     quiet_eval_output()
     eval_cfg = cfg.eval
-    judges = [d for d in stage_dirs if (read_manifest(d) or {}).get("stage") == "reward_model"]
+    # the judge is the run's reward model, whichever checkpoints eval.checkpoints picked to score
+    judges = [d for d in stage_dirs_of(run_dir) if (read_manifest(d) or {}).get("stage") == "reward_model"]
     for suite in ("pku_saferlhf", "hh_harmful"):
         # the run's own reward model judges the replies: pku_saferlhf's safe / unsafe, hh_harmful's against the parent
         if suite in eval_cfg.suites and not eval_cfg[suite].reward_model and judges:

@@ -41,3 +41,25 @@ def test_a_pipeline_or_eval_group_override_or_an_unrecorded_run_takes_the_compos
     composed = compose([])
     assert recorded_eval(composed, run_dir, []) is composed
     assert recorded_eval(composed, tmp_path / "never-scored", []) is composed
+
+
+def test_the_runs_reward_model_judges_whichever_checkpoints_eval_picks(tmp_path, monkeypatch):
+    """`posttrain eval 'eval.checkpoints=[grpo,dpo]'` on a run with a reward model: dpo's hh_harmful replies are
+    still judged against grpo's by that reward model, though it is not among the checkpoints scored. The judge was
+    looked for among the picked checkpoints only, and the win rate silently went missing."""
+    from posttrain.evaluation import run
+
+    run_dir = tmp_path / "run"
+    stages = {"00-sft": "sft", "01-reward_model": "reward_model", "02-grpo": "grpo", "03-dpo": "dpo"}
+    for name in stages:
+        (run_dir / name).mkdir(parents=True)
+    monkeypatch.setattr(run, "read_manifest", lambda d: {"stage": stages[d.name]} if d.name in stages else None)
+    used = {}
+    monkeypatch.setattr(run, "write_scorecard", lambda rd, dirs, eval_cfg, serve_cfg, seed: used.update(
+        dirs=[d.name for d in dirs], judge=eval_cfg.hh_harmful.reward_model) or {})
+    monkeypatch.setattr(run, "write_report", lambda *args: run_dir / "report.html")
+    monkeypatch.setattr(run, "render_markdown", lambda card: "")
+    cfg = compose(["pipeline=smollm2"])
+    picked = run.select(run.stage_dirs_of(run_dir), ["grpo", "dpo"])
+    run.evaluate(cfg, run_dir, picked)
+    assert used == {"dirs": ["02-grpo", "03-dpo"], "judge": str(run_dir / "01-reward_model")}
