@@ -165,6 +165,9 @@ class QuantVariantCfg:
     method: str = "rtn"  # rtn (round to nearest) | gptq | awq (both calibrated on the model's own SFT rows; int4/int8)
     group_size: int | None = 128  # int4 / nf4 / fp4 only; the others ignore it (per channel, no scale, fixed blocks)
     symmetric: bool = True  # int4: false stores an integer zero point per group
+    # gptq: columns in decreasing order of the Hessian's diagonal (the inputs that carry the most signal are rounded
+    # first, while the most later columns remain to absorb their error); groups stay contiguous in the stored order
+    act_order: bool = False
     # fmt gguf: one .gguf file for llama.cpp in this mix of its block types (quant.gguf_export.GGUF_FORMATS):
     # q8_0 | q4_0 | q4_1 | q4_k_m | f16 | f32
     gguf_type: str | None = None

@@ -109,6 +109,8 @@ def variant_settings(name: str, variant) -> tuple[str, str, bool, int | None]:
     if method != "rtn" and fmt not in ("int4", "int8"):
         raise ValueError(f"quantize.variants.{name}: method {method} calibrates int4 / int8 codes; {fmt} is "
                          f"round-to-nearest only (method: rtn)")
+    if variant["act_order"] and method != "gptq":
+        raise ValueError(f"quantize.variants.{name}: act_order is a GPTQ option; method {method} would ignore it")
     return fmt, method, symmetric, variant["group_size"] if fmt in GROUPED_FORMATS else None
 
 
@@ -130,7 +132,8 @@ def main(cfg, run: StageRun) -> dict:
     name = block["variant"]
     if block["variants"][name]["fmt"] == "gguf":
         return main_gguf(cfg, run, name, block["variants"][name])
-    fmt, method, symmetric, group = variant_settings(name, block["variants"][name])
+    variant = block["variants"][name]
+    fmt, method, symmetric, group = variant_settings(name, variant)
 
     # --- model and data ----------------------------------------------------------------------------------------
     if run.parent is None:
@@ -155,7 +158,7 @@ def main(cfg, run: StageRun) -> dict:
     # --- quantize ----------------------------------------------------------------------------------------------
     torch.manual_seed(cfg.seed)
     quantized = quantize_model(model, method, fmt, group, symmetric, None if method == "rtn" else calib,
-                               damp=block["damp"])
+                               damp=block["damp"], act_order=variant["act_order"])
     quant_ppl = perplexity(model, held_out_ids)  # the model now holds the dequantized weights
 
     # --- export: from the in-memory model, which carries AWQ's folded scales in its norms ----------------------
@@ -169,6 +172,7 @@ def main(cfg, run: StageRun) -> dict:
     n_quant = sum(q.shape[0] * q.shape[1] for q in quantized.values())
     metrics = {
         "variant": name, "fmt": fmt, "method": method, "group_size": group, "symmetric": symmetric,
+        "act_order": variant["act_order"], "damp": block["damp"],
         "label": format_label(fmt, group, symmetric) + ("" if method == "rtn" else f" {method}"),
         "size_bytes": size_on_disk(run.model_dir),
         "parent_size_bytes": size_on_disk(location),

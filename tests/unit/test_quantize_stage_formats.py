@@ -35,12 +35,17 @@ def test_unknown_format_and_calibrated_float_format_are_refused_by_name():
     with pytest.raises(RecipeError, match="quantize.variants.int8.fmt.*fp5.*valid values: .*fp8_e5m2, fp4, mxfp4, "
                                           "nvfp4"):
         compose(["quantize.variants.int8.fmt=fp5"])
-    variant = {"fmt": "fp4", "method": "gptq", "symmetric": True, "group_size": 32}
+    variant = {"fmt": "fp4", "method": "gptq", "symmetric": True, "group_size": 32, "act_order": False}
     with pytest.raises(ValueError, match="quantize.variants.mine: method gptq calibrates int4 / int8 codes; fp4 is "
                                          "round-to-nearest only"):
         variant_settings("mine", variant)
     # mxfp4 / nvfp4 have fixed blocks: the schema's default group size of 128 is not passed on
     assert variant_settings("v", dict(variant, fmt="nvfp4", method="rtn", group_size=128))[3] is None
+    # GPTQ's column order on a round-to-nearest or AWQ variant would be silently ignored
+    for method in ("rtn", "awq"):
+        with pytest.raises(ValueError, match=f"quantize.variants.v: act_order is a GPTQ option; method {method}"):
+            variant_settings("v", dict(variant, fmt="int4", method=method, act_order=True))
+    assert variant_settings("v", dict(variant, fmt="int4", act_order=True)) == ("int4", "gptq", True, 32)
 
 
 def test_labels():
