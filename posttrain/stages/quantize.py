@@ -130,9 +130,9 @@ def main(cfg, run: StageRun) -> dict:
     training.begin(run)
     block = run.config["quantize"]
     name = block["variant"]
-    if block["variants"][name]["fmt"] == "gguf":
-        return main_gguf(cfg, run, name, block["variants"][name])
     variant = block["variants"][name]
+    if variant["fmt"] == "gguf":
+        return main_gguf(cfg, run, name, variant)
     fmt, method, symmetric, group = variant_settings(name, variant)
 
     # --- model and data ----------------------------------------------------------------------------------------
