@@ -168,6 +168,9 @@ class QuantVariantCfg:
     # gptq: columns in decreasing order of the Hessian's diagonal (the inputs that carry the most signal are rounded
     # first, while the most later columns remain to absorb their error); groups stay contiguous in the stored order
     act_order: bool = False
+    # int4 rtn / gptq: projections quantized per output channel to int8 instead, e.g. {down_proj: int8} (a mixed
+    # copy, as llama.cpp's q4_k_m keeps part of ffn_down in 6 bits); q/k/v and gate/up are set together
+    module_formats: dict[str, str] = field(default_factory=dict)
     # fmt gguf: one .gguf file for llama.cpp in this mix of its block types (quant.gguf_export.GGUF_FORMATS):
     # q8_0 | q4_0 | q4_1 | q4_k_m | f16 | f32
     gguf_type: str | None = None

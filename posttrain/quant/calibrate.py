@@ -96,6 +96,7 @@ def quantize_model(
     damp: float = 0.01,
     act_order: bool = False,
     calib_batch_size: int = 8,
+    module_formats: dict[str, str] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize the decoder linears of `model` in place; returns {module name: QuantizedWeight}.
 
@@ -108,6 +109,10 @@ def quantize_model(
     `gptq_quantize`; calib_batch_size rows per forward). "awq": delegates to
     `posttrain.quant.awq.awq_quantize_model(model, fmt, group_size, symmetric, calib_ids)`.
 
+    module_formats maps a projection name (the last name component, e.g. "down_proj") to int8: those linears are
+    quantized per output channel to int8 instead (a mixed copy, like llama.cpp's q4_k_m keeping some of ffn_down
+    in 6 bits), with the same method and calibration. RTN and GPTQ only.
+
     GPTQ memory: the hidden states of all calibration rows (n * seq * hidden in the model dtype) and, for the
     current layer, one float64 [in, in] Hessian per linear (per expert for MoE layers).
     """
@@ -117,6 +122,7 @@ def quantize_model(
                             or calib_ids.dtype != torch.long):
         got = None if calib_ids is None else f"{tuple(calib_ids.shape)} {calib_ids.dtype}"
         raise ValueError(f"{method} needs calib_ids as a LongTensor [n, seq] with n >= 1, got {got}")
+    check_module_formats(module_formats, method)
     if method == "awq":
         return awq_quantize_model(model, fmt, group_size, symmetric, calib_ids)
     if method == "gptq" and fmt not in GPTQ_FORMATS:
@@ -124,23 +130,58 @@ def quantize_model(
     layers = decoder_layers(model)
     names = {module: name for name, module in model.named_modules()}
     targets_per_layer = [quantization_targets(layer, names[layer]) for layer in layers]
-    _check_targets_fit(targets_per_layer, fmt, group_size, symmetric)  # fail before any weight is changed
+    scheme = Schemes((fmt, group_size, symmetric), module_formats or {})
+    _check_targets_fit(targets_per_layer, scheme)  # fail before any weight is changed
     if method == "rtn":
-        return _rtn_model(targets_per_layer, fmt, group_size, symmetric)
+        return _rtn_model(targets_per_layer, scheme)
     was_training = model.training
     model.eval()
     try:
-        return _gptq_model(model, layers, [names[layer] for layer in layers], targets_per_layer, fmt, group_size,
-                           symmetric, calib_ids, damp, act_order, calib_batch_size)
+        return _gptq_model(model, layers, [names[layer] for layer in layers], targets_per_layer, scheme,
+                           calib_ids, damp, act_order, calib_batch_size)
     finally:
         model.train(was_training)
 
 
-def _check_targets_fit(targets_per_layer, fmt, group_size, symmetric) -> None:
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+MODULE_FORMATS = ("int8",)  # what `module_formats` may give a projection: per channel, symmetric
+
+
+def check_module_formats(module_formats: dict[str, str] | None, method: str) -> None:
+    """Raise, naming the key, unless every entry maps a quantized projection to a format in MODULE_FORMATS."""
+    for projection, fmt in (module_formats or {}).items():
+        if projection not in QUANTIZED_PROJECTIONS:
+            raise ValueError(f"module_formats key {projection!r} is not a quantized projection; expected one of "
+                             f"{QUANTIZED_PROJECTIONS}")
+        if fmt not in MODULE_FORMATS:
+            raise ValueError(f"module_formats.{projection}={fmt!r}: expected one of {MODULE_FORMATS}")
+    for siblings in FUSED_SIBLINGS:  # vLLM runs these as one matmul: one format for all of them
+        if len({(module_formats or {}).get(projection) for projection in siblings}) > 1:
+            raise ValueError(f"module_formats: {', '.join(siblings)} read the same input and are fused by vLLM; "
+                             f"give them one format")
+    if module_formats and method == "awq":
+        raise ValueError("module_formats is an RTN / GPTQ option: AWQ scales every linear of a layer for one format")
+
+
+class Schemes:
+    """(fmt, group_size, symmetric) per module: the variant's, or the per-channel format `overrides` gives the
+    module's projection name."""
+
+    def __init__(self, default: tuple[str, int | None, bool], overrides: dict[str, str]):
+        self.default, self.overrides = default, dict(overrides)
+
+    def __call__(self, name: str) -> tuple[str, int | None, bool]:
+        fmt = self.overrides.get(name.rsplit(".", 1)[-1])
+        return self.default if fmt is None else (fmt, None, True)
+
+
+def _check_targets_fit(targets_per_layer, scheme: Schemes) -> None:
+    fmt, _, symmetric = scheme.default
     if not symmetric and fmt != "int4":
         raise ValueError(f"{fmt} is symmetric only; symmetric=False is int4 only")
     for targets in targets_per_layer:
         for name, weight in targets.items():
+            fmt, group_size, _ = scheme(name)
             try:
                 resolve_group_size(fmt, group_size, weight.shape[1])
                 check_finite(weight.detach(), fmt)  # a NaN would give NaN scales, or no FP4 code at all
@@ -148,12 +189,12 @@ def _check_targets_fit(targets_per_layer, fmt, group_size, symmetric) -> None:
                 raise ValueError(f"{name} weight {tuple(weight.shape)}: {error}") from None
 
 
-def _rtn_model(targets_per_layer, fmt, group_size, symmetric) -> dict[str, QuantizedWeight]:
+def _rtn_model(targets_per_layer, scheme: Schemes) -> dict[str, QuantizedWeight]:
     results = {}
-    for targets in tqdm(targets_per_layer, desc=f"rtn {fmt}", unit="layer"):
+    for targets in tqdm(targets_per_layer, desc=f"rtn {scheme.default[0]}", unit="layer"):
         for name, weight in targets.items():
             try:
-                results[name] = quantize_weight(weight, fmt, group_size, symmetric)
+                results[name] = quantize_weight(weight, *scheme(name))
             except ValueError as error:  # e.g. an fp16 weight beyond 65504: say which module holds it
                 raise ValueError(f"{name} weight {tuple(weight.shape)}: {error}") from None
             _write_back(weight, results[name])
@@ -228,14 +269,14 @@ def _hook_hessians(layer: nn.Module, prefix: str) -> tuple[dict[str, HessianAccu
     return accumulators, shared, handles
 
 
-def _shared_hessian_groups(targets: dict[str, torch.Tensor], accumulators: dict[str, HessianAccumulator]
-                           ) -> list[tuple[HessianAccumulator, list[str]]]:
-    """The targets grouped by their accumulator, in target order; a target the calibration never reached (an expert
-    no token was routed to) gets an empty accumulator of its own: every input then counts as dead."""
-    groups: dict[int, tuple[HessianAccumulator, list[str]]] = {}
+def _shared_hessian_groups(targets: dict[str, torch.Tensor], accumulators: dict[str, HessianAccumulator],
+                           scheme: Schemes) -> list[tuple[HessianAccumulator, list[str]]]:
+    """The targets grouped by their accumulator and scheme, in target order; a target the calibration never reached
+    (an expert no token was routed to) gets an empty accumulator of its own: every input then counts as dead."""
+    groups: dict[tuple, tuple[HessianAccumulator, list[str]]] = {}
     for name, weight in targets.items():
         accumulator = accumulators.get(name) or HessianAccumulator(weight.shape[1])
-        groups.setdefault(id(accumulator), (accumulator, []))[1].append(name)
+        groups.setdefault((id(accumulator), scheme(name)), (accumulator, []))[1].append(name)
     return list(groups.values())
 
 
@@ -259,11 +300,10 @@ def _quantize_group(weights: list[torch.Tensor], hessian: torch.Tensor, fmt, gro
 
 
 @torch.no_grad()
-def _gptq_model(model, layers, prefixes, targets_per_layer, fmt, group_size, symmetric, calib_ids, damp, act_order,
-                batch_size):
+def _gptq_model(model, layers, prefixes, targets_per_layer, scheme: Schemes, calib_ids, damp, act_order, batch_size):
     hidden_per_batch, calls = capture_layer_calls(model.model, layers, calib_ids, batch_size, model.device)
     results = {}
-    for index in tqdm(range(len(layers)), desc=f"gptq {fmt}", unit="layer"):
+    for index in tqdm(range(len(layers)), desc=f"gptq {scheme.default[0]}", unit="layer"):
         layer, prefix, targets = layers[index], prefixes[index], targets_per_layer[index]
         # The layer's input comes from the quantized layers before it, but inside the layer every linear's
         # Hessian is taken with the layer still in float (one pass; GPTQ's "true sequential" option would re-run
@@ -276,9 +316,9 @@ def _gptq_model(model, layers, prefixes, targets_per_layer, fmt, group_size, sym
         finally:
             for handle in handles:
                 handle.remove()
-        for accumulator, names in _shared_hessian_groups(targets, {**shared.by_name, **accumulators}):
-            quantized = _quantize_group([targets[name] for name in names], accumulator.hessian(), fmt, group_size,
-                                        symmetric, damp, act_order)
+        for accumulator, names in _shared_hessian_groups(targets, {**shared.by_name, **accumulators}, scheme):
+            quantized = _quantize_group([targets[name] for name in names], accumulator.hessian(), *scheme(names[0]),
+                                        damp, act_order)
             for name, q in zip(names, quantized):
                 results[name] = q
                 _write_back(targets[name], q)

@@ -7,7 +7,10 @@ Layouts (one per format, chosen by `fmt`):
   layout vLLM serves as W8A16 / W4A16 (Marlin/Machete WNA16 kernels) and FP8 weight-only (W8A16-FP8).
   int8 (per channel) and int4 (group-wise) are `format: "pack-quantized"`: per Linear `weight_packed` int32
   [out, in * bits / 32], `weight_scale` [out, 1] (int8) or [out, in // group] (int4), `weight_shape` int64 [2],
-  and for asymmetric int4 `weight_zero_point` int32 [out * 4 / 32, in // group] (packed along rows).
+  and for asymmetric int4 `weight_zero_point` int32 [out * 4 / 32, in // group] (packed along rows). A mixed
+  int4 export (some projections kept in int8: `module_formats`) has one config group per format, each targeting
+  its projection names by regex; vLLM and our engine read it, transformers 5.24 cannot (one scheme for all dense
+  layers when it dequantizes).
   fp8 is `format: "float-quantized"`: `weight` float8_e4m3fn [out, in] and `weight_scale` [out, 1].
   Packing and the config come from the compressed-tensors library (`pack_to_int32`, `QuantizationConfig`,
   `ModelCompressor.update_config`). compressed-tensors stores signed codes: its packer adds 2^(bits-1) before
@@ -110,8 +113,9 @@ def export_quantized(
     shards = source_shards(src_dir)
     shapes = _checkpoint_shapes(shards)
     group_size = _common_group_size(quantized, fmt, group_size)
+    schemes = module_schemes(quantized, fmt, group_size, symmetric)
     for name, qw in quantized.items():
-        _check_quantized_weight(name, qw, shapes, fmt, group_size, symmetric)
+        _check_quantized_weight(name, qw, shapes, *schemes[name])
     ignore = _float_linear_names(src_dir, quantized)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -129,10 +133,10 @@ def export_quantized(
             config["quantization_config"] = export_fp.own_layout_config(fmt, group_size, ignore)
             (tmp_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
-            _write_compressed_tensors_config(src_dir, tmp_dir, fmt, group_size, symmetric, ignore)
+            _write_compressed_tensors_config(src_dir, tmp_dir, schemes, ignore)
         provenance = {"format": fmt, "method": method, "group_size": group_size, "symmetric": symmetric,
-                      "scale_dtype": "float32", "quantized_modules": sorted(quantized), "float_linears": ignore,
-                      "source": str(src_dir)}
+                      "module_formats": projection_formats(schemes, fmt), "scale_dtype": "float32",
+                      "quantized_modules": sorted(quantized), "float_linears": ignore, "source": str(src_dir)}
         (tmp_dir / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
         os.rename(tmp_dir, out_dir)  # the commit point: same filesystem, so atomic
     except BaseException:
@@ -172,10 +176,32 @@ def _common_group_size(quantized: dict[str, QuantizedWeight], fmt: str, group_si
         return None
     if group_size is not None:
         return group_size
-    sizes = {qw.group_size for qw in quantized.values()}
+    sizes = {qw.group_size for qw in quantized.values() if qw.fmt == fmt}
     if len(sizes) != 1:
         raise ValueError(f"{fmt} export needs one group size; the quantized weights have {sorted(sizes, key=str)}")
     return sizes.pop()
+
+
+def module_schemes(quantized: dict[str, QuantizedWeight], fmt: str, group_size: int | None,
+                   symmetric: bool) -> dict[str, tuple[str, int | None, bool]]:
+    """(fmt, group_size, symmetric) of each module: the export's, or int8 per channel for the modules of an int4
+    export that `quantize_model(module_formats=...)` kept in int8 (written as a second compressed-tensors config
+    group; no other mix has a layout here)."""
+    schemes = {}
+    for name, qw in quantized.items():
+        if qw.fmt == fmt:
+            schemes[name] = (fmt, group_size, symmetric)
+        elif fmt == "int4" and qw.fmt == "int8":
+            schemes[name] = ("int8", None, True)
+        else:
+            raise ValueError(f"{name!r} is {qw.fmt}, the export is {fmt}: the only mixed export is int4 with some "
+                             f"linears in int8")
+    return schemes
+
+
+def projection_formats(schemes: dict[str, tuple], fmt: str) -> dict[str, str]:
+    """{projection name: format} of the modules whose format is not the export's (e.g. {"down_proj": "int8"})."""
+    return {name.rsplit(".", 1)[-1]: scheme[0] for name, scheme in sorted(schemes.items()) if scheme[0] != fmt}
 
 
 def _check_quantized_weight(name: str, qw: QuantizedWeight, shapes: dict, fmt: str, group_size: int | None,
@@ -320,15 +346,36 @@ def _compressed_tensors_scheme(fmt: str, group_size: int | None, symmetric: bool
     return QuantizationScheme(targets=["Linear"], weights=weights, format=CompressionFormat.pack_quantized)
 
 
-def _write_compressed_tensors_config(src_dir: Path, out_dir: Path, fmt: str, group_size: int | None,
-                                     symmetric: bool, ignore: list[str]) -> None:
-    """config.json from the source plus the compressed-tensors `quantization_config`, written by the library."""
+def scheme_targets(schemes: dict[str, tuple]) -> dict[tuple, list[str]]:
+    """Each distinct scheme -> its compressed-tensors targets: ["Linear"] when there is one scheme, else a regex on
+    the projection names that scheme covers (a projection name in two schemes has no such target: an error)."""
+    projections: dict[tuple, set[str]] = {}
+    for name, scheme in schemes.items():
+        projections.setdefault(scheme, set()).add(name.rsplit(".", 1)[-1])
+    if len(projections) == 1:
+        return {scheme: ["Linear"] for scheme in projections}
+    seen: dict[str, tuple] = {}
+    for scheme, names in projections.items():
+        for projection in names:
+            if seen.setdefault(projection, scheme) != scheme:
+                raise ValueError(f"{projection} modules are quantized as both {seen[projection]} and {scheme}: a "
+                                 f"mixed export gives each projection name one format")
+    return {scheme: [rf"re:.*\.({'|'.join(sorted(names))})$"] for scheme, names in projections.items()}
+
+
+def _write_compressed_tensors_config(src_dir: Path, out_dir: Path, schemes: dict[str, tuple], ignore: list[str]
+                                     ) -> None:
+    """config.json from the source plus the compressed-tensors `quantization_config`, written by the library:
+    one config group per scheme (`scheme_targets`)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
-    scheme = _compressed_tensors_scheme(fmt, group_size, symmetric)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=scheme.format, ignore=ignore,
-                                quantization_status=QuantizationStatus.COMPRESSED)
+    groups = {}
+    for i, (scheme, targets) in enumerate(scheme_targets(schemes).items()):
+        groups[f"group_{i}"] = _compressed_tensors_scheme(*scheme).model_copy(update={"targets": targets})
+    formats = {group.format for group in groups.values()}
+    config = QuantizationConfig(config_groups=groups, format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                                ignore=ignore, quantization_status=QuantizationStatus.COMPRESSED)
     shutil.copy2(src_dir / "config.json", out_dir / "config.json")
     ModelCompressor(quantization_config=config).update_config(str(out_dir))
 

@@ -78,13 +78,12 @@ def _read_compressed_tensors(raw: dict, tensors: dict[str, torch.Tensor]) -> dic
     from compressed_tensors.quantization import QuantizationConfig
 
     config = QuantizationConfig.model_validate(raw)
-    if len(config.config_groups) != 1:
-        raise ValueError(f"expected one compressed-tensors config group, found {sorted(config.config_groups)}")
-    weights = next(iter(config.config_groups.values())).weights
-    fmt = _canonical_format(weights)
+    groups = list(config.config_groups.values())
     modules = sorted(key.removesuffix(".weight_scale") for key in tensors if key.endswith(".weight_scale"))
     quantized = {}
     for module in modules:
+        weights = _module_weights(module, groups)
+        fmt = _canonical_format(weights)
         if fmt == "fp8":
             local = pop_module(tensors, module, ("weight", "weight_scale"))
             codes = local["weight"]  # float8_e4m3fn [out, in]
@@ -110,6 +109,18 @@ def _read_compressed_tensors(raw: dict, tensors: dict[str, torch.Tensor]) -> dic
             codes = codes + INT4_OFFSET
         quantized[module] = QuantizedWeight("int4", codes, scale, zero, weights.group_size, weights.symmetric, shape)
     return quantized
+
+
+def _module_weights(module: str, groups: list):
+    """The weight args of the config group whose targets name `module`: a name or regex target before the class
+    target "Linear" (compressed-tensors' precedence); an error when none or several groups name it."""
+    from compressed_tensors.utils.match import match_name
+
+    named = [group for group in groups if any(match_name(module, target) for target in group.targets)]
+    matched = named or [group for group in groups if "Linear" in group.targets]
+    if len(matched) != 1:
+        raise ValueError(f"{module}: {len(matched)} compressed-tensors config groups target it, expected one")
+    return matched[0].weights
 
 
 def _read_bnb_nf4(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:

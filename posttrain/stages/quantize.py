@@ -25,7 +25,7 @@ from posttrain.artifacts import read_manifest, sha256_json, write_manifest
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.models.likelihood import perplexity
 from posttrain.models.loading import load_gguf_model, load_tokenizer, model_location
-from posttrain.quant.calibrate import decoder_layers, quantization_targets, quantize_model
+from posttrain.quant.calibrate import check_module_formats, decoder_layers, quantization_targets, quantize_model
 from posttrain.quant.export import export_quantized
 from posttrain.quant.export_read import size_on_disk
 from posttrain.quant.formats import GROUPED_FORMATS, bytes_per_param, quantize_weight, resolve_group_size, weight_error
@@ -111,6 +111,13 @@ def variant_settings(name: str, variant) -> tuple[str, str, bool, int | None]:
                          f"round-to-nearest only (method: rtn)")
     if variant["act_order"] and method != "gptq":
         raise ValueError(f"quantize.variants.{name}: act_order is a GPTQ option; method {method} would ignore it")
+    if variant.get("module_formats"):
+        if fmt != "int4":
+            raise ValueError(f"quantize.variants.{name}.module_formats: int8 projections mix with int4 only, not {fmt}")
+        try:
+            check_module_formats(dict(variant["module_formats"]), method)
+        except ValueError as error:
+            raise ValueError(f"quantize.variants.{name}: {error}") from None
     return fmt, method, symmetric, variant["group_size"] if fmt in GROUPED_FORMATS else None
 
 
@@ -157,8 +164,9 @@ def main(cfg, run: StageRun) -> dict:
 
     # --- quantize ----------------------------------------------------------------------------------------------
     torch.manual_seed(cfg.seed)
+    module_formats = dict(variant.get("module_formats") or {})
     quantized = quantize_model(model, method, fmt, group, symmetric, None if method == "rtn" else calib,
-                               damp=block["damp"], act_order=variant["act_order"])
+                               damp=block["damp"], act_order=variant["act_order"], module_formats=module_formats)
     quant_ppl = perplexity(model, held_out_ids)  # the model now holds the dequantized weights
 
     # --- export: from the in-memory model, which carries AWQ's folded scales in its norms ----------------------
@@ -172,8 +180,9 @@ def main(cfg, run: StageRun) -> dict:
     n_quant = sum(q.shape[0] * q.shape[1] for q in quantized.values())
     metrics = {
         "variant": name, "fmt": fmt, "method": method, "group_size": group, "symmetric": symmetric,
-        "act_order": variant["act_order"], "damp": block["damp"],
-        "label": format_label(fmt, group, symmetric) + ("" if method == "rtn" else f" {method}"),
+        "act_order": variant["act_order"], "damp": block["damp"], "module_formats": module_formats,
+        "label": format_label(fmt, group, symmetric) + ("" if method == "rtn" else f" {method}")
+        + "".join(f", {projection} {f}" for projection, f in sorted(module_formats.items())),
         "size_bytes": size_on_disk(run.model_dir),
         "parent_size_bytes": size_on_disk(location),
         "bytes_per_param": sum(bytes_per_param(q, scale_bytes=4) * q.shape[0] * q.shape[1]
