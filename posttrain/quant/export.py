@@ -373,9 +373,9 @@ def _write_compressed_tensors_config(src_dir: Path, out_dir: Path, schemes: dict
     groups = {}
     for i, (scheme, targets) in enumerate(scheme_targets(schemes).items()):
         groups[f"group_{i}"] = _compressed_tensors_scheme(*scheme).model_copy(update={"targets": targets})
-    formats = {group.format for group in groups.values()}
-    config = QuantizationConfig(config_groups=groups, format=formats.pop() if len(formats) == 1 else "mixed-precision",
-                                ignore=ignore, quantization_status=QuantizationStatus.COMPRESSED)
+    # one layout for every group: the only mix (`module_schemes`) is int4 with int8, both pack-quantized
+    config = QuantizationConfig(config_groups=groups, format=groups["group_0"].format, ignore=ignore,
+                                quantization_status=QuantizationStatus.COMPRESSED)
     shutil.copy2(src_dir / "config.json", out_dir / "config.json")
     ModelCompressor(quantization_config=config).update_config(str(out_dir))
 
