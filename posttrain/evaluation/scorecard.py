@@ -18,6 +18,7 @@ from posttrain.artifacts import manifest_sha256, now, read_manifest, verify_arti
 from posttrain.config_schema import ServeCfg
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.comparisons import changes, judged, render_changes, render_judged
+from posttrain.evaluation.earlier import earlier_rows, with_earlier_rows
 from posttrain.evaluation.provenance import base_model, render_base_model
 from posttrain.evaluation.stats import mean_interval
 from posttrain.evaluation.suites import build_suite
@@ -224,26 +225,17 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
     generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
     if generators and serve_cfg.backend != "vllm":
         check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
-    rows, shifts, quantization = [], {}, {}
+    rows = []
     if getattr(eval_cfg, "base", False):
         rows.append(score_base(base_location(stage_dirs), suites, eval_cfg, serve_cfg, seed))
         rows[-1]["manifest_sha256"] = None
     for stage_dir in stage_dirs:
         manifest = read_manifest(stage_dir) or {}
-        if not is_generator(manifest.get("stage", "")):
-            continue
-        rows.append(score_checkpoint(stage_dir, suites, eval_cfg, serve_cfg, seed))
-        rows[-1]["manifest_sha256"] = manifest_sha256(stage_dir)
-        parent_sha = (manifest.get("parent") or {}).get("manifest_sha256")
-        parent = next((r["checkpoint"] for r in rows[:-1] if r["manifest_sha256"] == parent_sha), None)
-        if parent:
-            rows[-1]["parent"] = parent
-        elif not manifest.get("parent") and rows[0]["checkpoint"] == "base":
-            rows[-1]["parent"] = "base"  # the first stage trained the base model
-        if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
-            shifts[rows[-1]["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
-        if manifest.get("stage") == "quantize":
-            quantization[rows[-1]["checkpoint"]] = quantization_summary(manifest)
+        if is_generator(manifest.get("stage", "")):
+            rows.append(score_checkpoint(stage_dir, suites, eval_cfg, serve_cfg, seed))
+            rows[-1]["manifest_sha256"] = manifest_sha256(stage_dir)
+    rows = with_earlier_rows(rows, earlier_rows(Path(run_dir), recordable(eval_cfg), seed))
+    shifts, quantization = link_rows(Path(run_dir), rows)
     card = {"run": Path(run_dir).name, "suites": list(eval_cfg.suites), "rows": rows, "likelihood_shift": shifts,
             "quantization": quantization, "backend": serve_cfg.backend, "base_model": base_model(stage_dirs),
             "changes": changes(rows, list(eval_cfg.suites), seed), "judged": judged(rows, suites, eval_cfg, seed),
@@ -255,6 +247,27 @@ def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, 
     tmp.write_text(markdown)
     tmp.replace(Path(run_dir) / "scorecard.md")
     return card
+
+
+def link_rows(run_dir: Path, rows: list[dict]) -> tuple[dict, dict]:
+    """Give each row its parent row (the artifact its manifest names, or "base" for the chain's first stage) and
+    collect DPO's likelihood shifts and the quantized copies' reports, keyed by checkpoint; in place."""
+    shifts, quantization = {}, {}
+    by_sha = {r["manifest_sha256"]: r["checkpoint"] for r in rows if r.get("manifest_sha256")}
+    for row in rows:
+        if row["checkpoint"] == "base":
+            continue
+        manifest = read_manifest(run_dir / Path(row["artifact"]).name) or {}
+        parent = by_sha.get((manifest.get("parent") or {}).get("manifest_sha256"))
+        if parent:
+            row["parent"] = parent
+        elif not manifest.get("parent") and rows[0]["checkpoint"] == "base":
+            row["parent"] = "base"  # the first stage trained the base model
+        if "likelihood_shift" in manifest.get("metrics", {}):  # DPO's report on its held-out pairs
+            shifts[row["checkpoint"]] = manifest["metrics"]["likelihood_shift"]
+        if manifest.get("stage") == "quantize":
+            quantization[row["checkpoint"]] = quantization_summary(manifest)
+    return shifts, quantization
 
 
 REFUSAL_NOTE = ("HH harmful refused and real benign answered: rewards/refusal.py reads a reply's first two sentences "

@@ -244,18 +244,24 @@ def test_rerun_skips_finished_stages(tiny_run):
 
 
 def test_eval_rescores_chosen_checkpoints_without_retraining(tiny_run):
-    """`posttrain eval` on a finished run: only the named checkpoints, the same greedy scores, no stage reruns."""
+    """`posttrain eval` on a finished run: only the named checkpoints, the same greedy scores, no stage reruns; the
+    scorecard keeps the other checkpoints' rows (the same eval config and seed; tests/unit/test_eval_earlier_rows.py
+    has the cases that replace them)."""
     run_dir, _ = tiny_run
     before = json.loads((run_dir / "scorecard.json").read_text())
     manifests = {d: (run_dir / d / "manifest.json").read_text() for d in STAGES}
     # no pipeline=tiny-ci: eval rescores with the eval config the run recorded (the same suites and prompt counts
-    # as its scorecard), and these eval.<key> overrides on top
-    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci",
-                       "eval.checkpoints=[dpo,dpo-int8]", "eval.latency.requests=2")
+    # as its scorecard), and any eval.<key> overrides on top
+    result = posttrain("eval", f"run.root={run_dir.parent}", "run.name=ci", "eval.checkpoints=[dpo,dpo-int8]")
     assert "the run's recorded eval config" in result.stderr
     assert result.returncode == 0, result.stderr[-3000:]
     after = json.loads((run_dir / "scorecard.json").read_text())
-    assert [r["checkpoint"] for r in after["rows"]] == ["dpo", "dpo-int8"]
+    labels = [r["checkpoint"] for r in before["rows"]]
+    assert [r["checkpoint"] for r in after["rows"]] == labels
+    kept = [label for label in labels if label not in ("dpo", "dpo-int8")]
+    assert f"keeping the last scorecard's rows of {', '.join(kept)} " in result.stderr
+    assert [(c["checkpoint"], c["key"]) for c in after["changes"]] == [(c["checkpoint"], c["key"])
+                                                                       for c in before["changes"]]
     old = {r["checkpoint"]: r for r in before["rows"]}
     for row in after["rows"]:  # greedy replies: the same, up to one prompt of 20 whose reply a different batch
         # composition (fp32 rounding of other batch shapes) could flip
@@ -318,7 +324,7 @@ def test_llamacpp_replies_as_our_engine_on_the_gguf_weights(tiny_run):
 @needs_llamacpp
 def test_eval_scores_the_gguf_copy_through_llamacpp_beside_dpo_through_ours(tiny_run):
     """serve.backend=llamacpp: the GGUF checkpoint through llama.cpp's server, the others through ours (last in
-    this file: it rewrites the scorecard with these two rows)."""
+    this file: it rescores these two rows of the scorecard)."""
     run_dir, _ = tiny_run
     result = posttrain("eval", "pipeline=tiny-ci", f"run.root={run_dir.parent}", "run.name=ci", "serve.backend=llamacpp",
                        "eval.checkpoints=[dpo,dpo-gguf-q4_k_m]", "eval.latency.requests=2")
