@@ -125,7 +125,8 @@ SMOKE = ["sft.trainer.max_steps=3", "sft.trainer.save_steps=3", "sft.trainer.log
          "dpo.trainer.per_device_train_batch_size=2", "dpo.trainer.gradient_accumulation_steps=1",
          "dpo.trainer.learning_rate=5e-4", "dpo.trainer.warmup_steps=0", "dpo.trainer.max_length=256",
          "dpo.trainer.logging_steps=1", "+dpo.trainer.activation_checkpointing=false", "dpo.shift_pairs=1",
-         "quantize.calibration_rows=2", "quantize.eval_rows=2", f"data.held_out={HELD_OUT}",
+         "quantize.calibration_rows=2", "quantize.calibration_length=128", "quantize.eval_rows=2",
+         f"data.held_out={HELD_OUT}",
          "serve.max_batch=8", "eval.concurrency=8",
          "eval.n_prompts={gsm8k: 1, math500: 1, pku_saferlhf: 1, hh_harmful: 1, benign: 1}", "eval.max_new_tokens=16",
          "eval.latency.requests=1", "eval.latency.max_tokens=8"]
