@@ -25,10 +25,16 @@ def _comparable(config: dict | None) -> dict | None:
     return json.loads(json.dumps({k: v for k, v in config.items() if k not in ROW_PICKERS}))
 
 
+def row_stage_dir(run_dir: Path, row: dict) -> Path:
+    """The stage directory in `run_dir` that a scorecard row's checkpoint came from (rows name their artifact's
+    path as scored; the run directory may have moved since)."""
+    return run_dir / Path(str(row.get("artifact", ""))).name
+
+
 def _unchanged(run_dir: Path, row: dict) -> bool:
     if row.get("checkpoint") == "base":
         return True
-    stage_dir = run_dir / Path(str(row.get("artifact", ""))).name
+    stage_dir = row_stage_dir(run_dir, row)
     return (stage_dir / "manifest.json").is_file() and manifest_sha256(stage_dir) == row.get("manifest_sha256")
 
 

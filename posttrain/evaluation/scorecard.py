@@ -18,7 +18,7 @@ from posttrain.artifacts import manifest_sha256, now, read_manifest, verify_arti
 from posttrain.config_schema import ServeCfg
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.comparisons import changes, judged, render_changes, render_judged
-from posttrain.evaluation.earlier import earlier_rows, with_earlier_rows
+from posttrain.evaluation.earlier import earlier_rows, row_stage_dir, with_earlier_rows
 from posttrain.evaluation.provenance import base_model, render_base_model
 from posttrain.evaluation.stats import mean_interval
 from posttrain.evaluation.suites import build_suite
@@ -257,7 +257,7 @@ def link_rows(run_dir: Path, rows: list[dict]) -> tuple[dict, dict]:
     for row in rows:
         if row["checkpoint"] == "base":
             continue
-        manifest = read_manifest(run_dir / Path(row["artifact"]).name) or {}
+        manifest = read_manifest(row_stage_dir(run_dir, row)) or {}
         parent = by_sha.get((manifest.get("parent") or {}).get("manifest_sha256"))
         if parent:
             row["parent"] = parent
