@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 log = logging.getLogger("posttrain")
@@ -27,10 +28,15 @@ def resolve_bf16_auto(kwargs: dict) -> None:
     import torch
 
     on_cpu = bool(kwargs.get("use_cpu")) or not torch.cuda.is_available()
-    if on_cpu:
-        kwargs["bf16"] = bool(BF16_CPU_FLAGS & cpu_flags())
-        if kwargs["bf16"]:
-            kwargs["use_cpu"] = True
-    else:
-        kwargs["bf16"] = torch.cuda.is_bf16_supported()
-    log.info("bf16: auto -> %s (%s)", kwargs["bf16"], "CPU" if on_cpu else "GPU")
+    kwargs["bf16"] = _bf16_here(on_cpu)
+    if on_cpu and kwargs["bf16"]:
+        kwargs["use_cpu"] = True
+
+
+@functools.cache  # the preflight check and the stage both build the trainer's config: decide and log it once
+def _bf16_here(on_cpu: bool) -> bool:
+    import torch
+
+    bf16 = bool(BF16_CPU_FLAGS & cpu_flags()) if on_cpu else torch.cuda.is_bf16_supported()
+    log.info("bf16: auto -> %s (%s)", bf16, "CPU" if on_cpu else "GPU")
+    return bf16

@@ -11,11 +11,24 @@ from posttrain import training
 from posttrain.models import precision
 
 
+@pytest.fixture(autouse=True)
+def new_machine():
+    """The decision is made once a process: each case here is a new machine, and none leaves its made-up flags'
+    decision to the tests that run after it in this process."""
+    precision._bf16_here.cache_clear()
+    yield
+    precision._bf16_here.cache_clear()
+
+
 def sft_args(tmp_path, monkeypatch, flags: set[str], **block):
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    return build_args(tmp_path, {"max_steps": 1, "bf16": "auto", **block})
+
+
+def build_args(tmp_path, block: dict):
     run = training.StageRun(name="sft", out_dir=tmp_path / "sft", parent=None, config={}, config_hash="",
                             run_name="t")
-    return training.trl_args("SFTConfig", {"max_steps": 1, "bf16": "auto", **block}, run, SimpleNamespace(backend="none"), 0)
+    return training.trl_args("SFTConfig", block, run, SimpleNamespace(backend="none"), 0)
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -39,6 +52,16 @@ def test_auto_keeps_a_recipe_that_asked_for_the_cpu_on_it(tmp_path, monkeypatch)
 def test_an_explicit_bf16_is_left_alone(tmp_path, monkeypatch):
     args = sft_args(tmp_path, monkeypatch, {"avx512_bf16"}, bf16=False, use_cpu=True)
     assert args.bf16 is False
+
+
+def test_the_decision_is_logged_once_though_preflight_and_the_stage_both_build_the_config(tmp_path, monkeypatch,
+                                                                                       caplog):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with caplog.at_level("INFO", logger="posttrain"):
+        first = sft_args(tmp_path, monkeypatch, {"avx512_bf16"})
+        second = build_args(tmp_path, {"max_steps": 1, "bf16": "auto"})
+    assert first.bf16 is second.bf16 is True and second.use_cpu is True
+    assert [r.getMessage() for r in caplog.records if "bf16: auto" in r.getMessage()] == ["bf16: auto -> True (CPU)"]
 
 
 def test_cpu_flags_reads_this_machine():
