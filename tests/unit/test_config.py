@@ -40,6 +40,20 @@ def test_a_stage_view_resolves_interpolations_into_other_blocks():
     assert changed["dpo"]["pairs"]["n_eval"] == 8  # the hash follows the value the interpolation resolves to
 
 
+def test_smollm2_long_is_smollm2_with_longer_grpo_and_dpo():
+    """recipes/pipeline/smollm2-long.yaml starts from pipeline=smollm2 and changes GRPO and DPO only: every other
+    stage's view (what its config hash covers) is smollm2's, so the stages of the two chains are the same work."""
+    short, long = compose(["pipeline=smollm2"]), compose(["pipeline=smollm2-long"])
+    assert long.pipeline.stages == short.pipeline.stages and long.pipeline.name == "smollm2-long"
+    for stage in ("sft", "reward_model", "quantize:int4-gptq"):
+        assert config_mod.stage_view(long, stage) == config_mod.stage_view(short, stage), stage
+    assert long.eval == short.eval
+    assert (long.grpo.trainer.max_steps, long.grpo.trainer.num_generations) == (40, 8)
+    assert long.grpo.prompts == short.grpo.prompts and long.grpo.rewards == short.grpo.rewards
+    assert (long.dpo.pairs.n_train, long.dpo.trainer.max_steps, len(long.dpo.lora.target_modules)) == (800, 100, 7)
+    assert long.dpo.pairs.n_eval == short.reward_model.pairs.n_eval  # DPO still holds out the judge's conversations
+
+
 def test_model_override_with_a_path_becomes_hf(tmp_path):
     cfg = compose([f"model={tmp_path}"])
     assert cfg.model.source == "hf" and cfg.model.name_or_path == str(tmp_path)
@@ -100,7 +114,7 @@ def test_every_recipe_option_composes_and_validates(group):
         assert cfg[group] is not None
 
 
-@pytest.mark.parametrize("pipeline", ["tiny", "tiny-ci"])
+@pytest.mark.parametrize("pipeline", sorted(p.stem for p in (config_mod.RECIPES_DIR / "pipeline").glob("*.yaml")))
 def test_pipelines_compose(pipeline):
     assert compose([f"pipeline={pipeline}"]).pipeline.stages
 
