@@ -144,9 +144,18 @@ class RolloutCfg:
 
 
 @dataclass
+class SamplingCfg:
+    # dynamic sampling: zero_std drops the groups whose rewards are all equal (zero advantage) and refills the step
+    # with groups from fresh prompts (posttrain.grpo_sampling); none trains on every group sampled
+    filter: str = "none"
+    max_rounds: int = 4  # rounds of generation a step may take to fill its batch with informative groups
+
+
+@dataclass
 class GrpoCfg(LanguageModelStageCfg):
     prompts: PromptsCfg = field(default_factory=PromptsCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    sampling: SamplingCfg = field(default_factory=SamplingCfg)
     rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
     reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
 
@@ -358,6 +367,7 @@ OPTION_VALUES = {
 OPTION_VALUES["serve.backend"] = ("posttrain", "vllm", "llamacpp")
 OPTION_VALUES["serve.kv_dtype"] = ("auto", "float32", "bfloat16")
 OPTION_VALUES["grpo.rollout.backend"] = ("trl", "posttrain", "vllm")
+OPTION_VALUES["grpo.sampling.filter"] = ("none", "zero_std")
 OPTION_VALUES.update({f"{stage}.lm_head": ("auto", "trl") for stage in ("sft", "grpo", "dpo")})
 QUANT_OPTION_VALUES = {"fmt": ("int8", "int4", "fp8", "nf4", "fp16", "fp8_e5m2", "fp4", "mxfp4", "nvfp4", "gguf"),
                        "method": ("rtn", "gptq", "awq")}

@@ -64,6 +64,8 @@ def training_curves(stage_dirs: list[Path]) -> list[tuple[str, str]]:
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
             plots.append(("grpo rewards", png(fig)))
+        if stage == "grpo" and any("equal_reward_groups" in h for h in history):
+            plots.append(("grpo sampling", sampling_plot(history)))
         if stage == "dpo" and any("logps/chosen" in h for h in history):
             fig, ax = plt.subplots(figsize=(5, 3.2))
             ax.plot(*series(history, "logps/chosen"), marker=".", label="chosen")
@@ -73,6 +75,25 @@ def training_curves(stage_dirs: list[Path]) -> list[tuple[str, str]]:
             ax.grid(alpha=0.3)
             plots.append(("dpo log-probabilities", png(fig)))
     return plots
+
+
+def sampling_plot(history: list[dict]) -> str:
+    """Per logging step: completions generated and trained on (dynamic sampling, grpo.sampling) and the share of
+    generated groups whose rewards were all equal (zero advantage: filtered out, or trained on for nothing)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(*series(history, "equal_reward_groups"), marker=".", color="tab:red", label="groups all equal (share)")
+    ax.set(title="grpo: groups that carried no signal", xlabel="step", ylabel="share of generated groups", ylim=(0, 1))
+    if any("sampling/generated" in h for h in history):
+        counts = ax.twinx()
+        counts.plot(*series(history, "sampling/generated"), marker=".", label="completions generated")
+        counts.plot(*series(history, "sampling/trained"), marker=".", linestyle="--", label="completions trained on")
+        counts.set_ylabel("completions per step")
+        counts.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    return png(fig)
 
 
 def scorecard_bars(card: dict) -> str | None:

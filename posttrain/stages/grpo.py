@@ -24,6 +24,7 @@ from pathlib import Path
 from posttrain import sharding, training
 from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
+from posttrain.grpo_sampling import dynamic_sampling_trainer
 from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
@@ -36,6 +37,7 @@ from rewards.text import completion_text
 
 log = logging.getLogger("posttrain")
 COMPLETIONS = "completions.jsonl"
+FIRE_BATCHES = 2  # generation batches after which a reward that never gave a non-zero score is reported
 
 
 # --- rewards, and the table of every scored completion -------------------------------------------------------------
@@ -50,6 +52,22 @@ class RewardTable:
         self.funcs, self.group_size, self.scale, self.path = funcs, group_size, scale, path
         self.pending: dict[str, list] = {}
         self.history: list[dict] = []  # per generation batch: step, mean reward, equal-group fraction
+        self.fire_batches, self.fired = 0, {}  # check_rewards_fire's count and which rewards gave a non-zero score
+
+    def check_rewards_fire(self, per_func: dict[str, list]) -> None:
+        """Warn once, after the first FIRE_BATCHES generation batches, about each reward that gave 0 (or no score)
+        to every completion so far: it cannot fire on what this model writes (say, a format reward for a block the
+        SFT data never taught), so it only adds noise to the weights' sum."""
+        if self.fire_batches >= FIRE_BATCHES:
+            return
+        self.fire_batches += 1
+        for name, scores in per_func.items():
+            self.fired[name] = self.fired.get(name, False) or any(s not in (None, 0, 0.0) for s in scores)
+        if self.fire_batches == FIRE_BATCHES:
+            for name in (n for n, fired in self.fired.items() if not fired):
+                log.warning("grpo: reward '%s' scored 0 on every completion of the first %d generation batches: it "
+                            "cannot fire on this model's replies; drop it from grpo.rewards or teach its format "
+                            "first", name, FIRE_BATCHES)
 
     def wrapped(self) -> list:
         out = []
@@ -78,9 +96,10 @@ class RewardTable:
         for i in range(len(completions)):
             parts = [(per_func[n][i], w) for n, (_, w) in self.funcs.items() if per_func[n][i] is not None]
             totals.append(sum(r * w for r, w in parts) if parts else math.nan)
-        usable = [0.0 if math.isnan(t) else t for t in totals]
-        advantages = group_advantages(usable, self.group_size, scale=self.scale)
-        equal = equal_reward_fraction(usable, self.group_size)
+        # TRL's own advantages (sum_then_normalize, its default): unscorable completions out of the baseline
+        advantages = group_advantages(totals, self.group_size, scale=self.scale)
+        equal = equal_reward_fraction(advantages, self.group_size)  # groups whose advantages are all 0
+        self.check_rewards_fire(per_func)
         state = kwargs.get("trainer_state")
         step = state.global_step if state is not None else None
         log_metric = kwargs.get("log_metric")
@@ -89,7 +108,9 @@ class RewardTable:
             log_metric("advantages/abs_mean", sum(map(abs, advantages)) / len(advantages))
             log_metric("advantages/max", max(advantages))
             log_metric("advantages/min", min(advantages))
-        self.history.append({"step": step, "reward": sum(usable) / len(usable), "equal_reward_groups": equal})
+        scored = [t for t in totals if not math.isnan(t)]
+        self.history.append({"step": step, "reward": sum(scored) / len(scored) if scored else None,
+                             "equal_reward_groups": equal})
         if not training.is_main_process():
             return
         with self.path.open("a") as f:
@@ -129,6 +150,21 @@ class StepTimer:
     def per_step(self, steps: int, train_seconds: float) -> dict[str, float]:
         rest = train_seconds - sum(self.seconds.values())
         return {k: round(v / max(steps, 1), 4) for k, v in {**self.seconds, "update_and_rest": rest}.items()}
+
+
+def sampling_summary(trainer, table: RewardTable) -> dict:
+    """Completions generated and trained on over the run, the share of generated groups whose rewards were all equal,
+    and (with dynamic sampling) each step's record."""
+    batches = table.history
+    equal = sum(h["equal_reward_groups"] for h in batches) / len(batches) if batches else None
+    steps = getattr(trainer, "sampling_history", [])
+    summary = {"generation_batches": len(batches), "equal_reward_group_share": equal}
+    if steps:
+        summary.update(generated=sum(s["generated"] for s in steps), trained=sum(s["trained"] for s in steps),
+                       informative_trained_share=sum(s["trained"] - s["filled_uninformative_groups"] *
+                                                     trainer.num_generations for s in steps)
+                       / sum(s["trained"] for s in steps), steps=steps)
+    return summary
 
 
 def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
@@ -228,15 +264,18 @@ def main(cfg, run: StageRun) -> dict:
             log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
-    log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s", len(rows), args.num_generations,
-             {n: w for n, (_, w) in funcs.items()}, backend)
+    log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s; dynamic sampling %s", len(rows),
+             args.num_generations, {n: w for n, (_, w) in funcs.items()}, backend,
+             "off" if cfg.grpo.sampling.filter == "none" else
+             f"{cfg.grpo.sampling.filter} (up to {cfg.grpo.sampling.max_rounds} rounds a step)")
     peft_config = training.lora_config(cfg.grpo.lora)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     rollout = engine_rollout(tokenizer) if backend == "posttrain" else None
-    trainer = GRPOTrainer(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
+    trainer_cls = dynamic_sampling_trainer(GRPOTrainer, cfg.grpo.sampling)  # TRL's own with grpo.sampling.filter=none
+    trainer = trainer_cls(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise ValueError(SHARDED_ROLLOUT)
@@ -260,7 +299,7 @@ def main(cfg, run: StageRun) -> dict:
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), **moe.metrics(),
                "reward_curve": curve, "completions_table": COMPLETIONS, "step_seconds": step_seconds,
-               "prompts": len(rows), "rollout_backend": backend}
+               "prompts": len(rows), "rollout_backend": backend, "sampling": sampling_summary(trainer, table)}
     if curve:
         log.info("grpo: mean reward by logging step: %s",
                  " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))

@@ -110,10 +110,15 @@ def test_think_format(completion, score):
     "rewards, size, scale, expected",
     [
         ([1, 0, 1, 0], 4, "none", [0.5, -0.5, 0.5, -0.5]),
-        ([1, 0, 1, 0], 4, "group", [1.0, -1.0, 1.0, -1.0]),
+        # the std is Bessel-corrected over the group (TRL's nanstd): 4 rewards 1, 0, 1, 0 have std sqrt(1/3)
+        ([1, 0, 1, 0], 4, "group", [0.5 / (0.57735 + 1e-4), -0.5 / (0.57735 + 1e-4)] * 2),
         ([1, 1, 1, 1], 4, "group", [0.0, 0.0, 0.0, 0.0]),  # an all-equal group teaches nothing, and never divides by 0
         ([1, 0, 0, 0, 2, 2], 2, "none", [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]),
-        ([1, 0, 3, 3], 2, "batch", [0.5 / (1.299 + 1e-4), -0.5 / (1.299 + 1e-4), 0.0, 0.0]),
+        ([1, 0, 3, 3], 2, "batch", [0.5 / (1.5 + 1e-4), -0.5 / (1.5 + 1e-4), 0.0, 0.0]),
+        # unscorable completions (None) are out of the mean and the std, and get 0
+        ([1, None, 0, 0], 4, "none", [2 / 3, 0.0, -1 / 3, -1 / 3]),
+        ([1, None, None, None], 4, "group", [0.0, 0.0, 0.0, 0.0]),  # one scored reward: no std, no signal
+        ([None, None, 1, 0], 2, "group", [0.0, 0.0, 0.5 / (0.70711 + 1e-4), -0.5 / (0.70711 + 1e-4)]),
     ],
 )
 def test_group_advantages(rewards, size, scale, expected):
