@@ -18,7 +18,11 @@ compact head (`auto`: the completion tokens only, in one product), and with the 
 (`grpo.trainer.bf16=true`); it prints each step split into generation, scoring and the rest (log-probabilities,
 loss, backward, optimizer step), side by side, and the rest's speed-up over TRL's head.
 
-Asserts nothing; prints a table (and JSON with --json). About 10 minutes on 2 cores.
+A third run per model takes the engine's roll-outs with dynamic sampling (`grpo.sampling.filter=zero_std`): each
+run's line gives the step split into generation, scoring and the rest, the share of generated groups whose rewards
+were all equal, and (filtered) the completions generated against those trained on.
+
+Asserts nothing; prints a table (and JSON with --json). About 15 minutes on 2 cores.
 
     .venv/bin/python scripts/bench_rollout.py [--steps 2] [--threads 1] [--only smollm2] [--json runs/bench_rollout.json]
     .venv/bin/python scripts/bench_rollout.py --lm-heads --only smollm2 --threads 2
@@ -59,10 +63,12 @@ def newest_sft() -> Path:
     return found[-1].parent
 
 
-def run(model: str, backend: str, root: Path, args, head: str = "auto", bf16: bool = False) -> dict:
-    name = f"{model}-{backend}-{head}{'-bf16' if bf16 else ''}"
+def run(model: str, backend: str, root: Path, args, head: str = "auto", bf16: bool = False,
+        sampling: str = "none") -> dict:
+    name = f"{model}-{backend}-{head}{'-bf16' if bf16 else ''}-{sampling}"
     command = [sys.executable, "-m", "posttrain.cli", "stage=grpo", *settings(model, args),
                f"grpo.rollout.backend={backend}", f"grpo.lm_head={head}", f"grpo.trainer.bf16={str(bf16).lower()}",
+               f"grpo.sampling.filter={sampling}",
                f"grpo.trainer.max_steps={args.steps}",
                "grpo.trainer.save_steps=1000", "grpo.trainer.logging_steps=1", f"run.root={root}", f"run.name={name}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -74,7 +80,7 @@ def run(model: str, backend: str, root: Path, args, head: str = "auto", bf16: bo
     metrics = json.loads((stage_dir / "manifest.json").read_text())["metrics"]
     completions = [json.loads(line)["completion"] for line in (stage_dir / "completions.jsonl").open()]
     return {"wall_s": round(time.perf_counter() - started, 1), "step_seconds": metrics["step_seconds"],
-            "completions": completions}
+            "sampling": {k: v for k, v in metrics["sampling"].items() if k != "steps"}, "completions": completions}
 
 
 def main() -> None:
@@ -117,12 +123,26 @@ def compare_heads(args) -> dict:
     return results
 
 
+def split_line(label: str, result: dict) -> str:
+    """One run's step split (generation, scoring, the rest: log-probabilities, loss, update) and its groups."""
+    seconds, sampling = result["step_seconds"], result["sampling"]
+    line = (f"  {label:<30} seconds per step: generation {seconds['generation']:.2f}, scoring {seconds['scoring']:.2f}, "
+            f"update and rest {seconds['update_and_rest']:.2f}; whole {sum(seconds.values()):.2f}; groups with all "
+            f"rewards equal {sampling['equal_reward_group_share']:.1%}")
+    if "generated" in sampling:
+        line += (f"; completions generated {sampling['generated']}, trained on {sampling['trained']} "
+                 f"({sampling['informative_trained_share']:.1%} of them in informative groups)")
+    return line
+
+
 def compare_backends(args) -> dict:
-    """Each model's GRPO step with TRL's generate and with the engine's roll-outs."""
+    """Each model's GRPO step with TRL's generate and with the engine's roll-outs, then on the engine with dynamic
+    sampling (grpo.sampling.filter=zero_std): what refilling the batch with informative groups costs a step."""
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in [args.only] if args.only else ["tiny", "smollm2"]:
             runs = {backend: run(model, backend, Path(tmp), args) for backend in BACKENDS}
+            filtered = run(model, "posttrain", Path(tmp), args, sampling="zero_std")
             a, b = (runs[k]["completions"] for k in BACKENDS)
             same = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
             gen = {k: runs[k]["step_seconds"]["generation"] for k in BACKENDS}
@@ -130,12 +150,20 @@ def compare_backends(args) -> dict:
             results[model] = {"steps": args.steps, "threads": args.threads, "identical_completions": round(same, 3),
                               **{k: {"wall_s": runs[k]["wall_s"], "step_seconds": runs[k]["step_seconds"]}
                                  for k in BACKENDS},
+                              "posttrain_zero_std": {"wall_s": filtered["wall_s"],
+                                                     "step_seconds": filtered["step_seconds"],
+                                                     "sampling": filtered["sampling"]},
                               "generation_speedup": round(gen["trl"] / gen["posttrain"], 2),
                               "step_speedup": round(step["trl"] / step["posttrain"], 2)}
+            for k in BACKENDS:
+                results[model][k]["sampling"] = runs[k]["sampling"]
             print(f"{model}: seconds per step (generation / whole step) trl {gen['trl']:.2f} / {step['trl']:.2f}, "
                   f"posttrain {gen['posttrain']:.2f} / {step['posttrain']:.2f}; generation "
                   f"{results[model]['generation_speedup']}x, step {results[model]['step_speedup']}x faster; "
                   f"identical completions {same:.1%}", flush=True)
+            for label, result in (("trl", runs["trl"]), ("posttrain", runs["posttrain"]),
+                                  ("posttrain, sampling zero_std", filtered)):
+                print(split_line(label, result), flush=True)
     return results
 
 

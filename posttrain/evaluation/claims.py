@@ -51,6 +51,8 @@ class RunFacts:
     eval_config: dict = field(default_factory=dict)  # the eval config the scorecard recorded
     perplexity_change: dict[str, float] = field(default_factory=dict)  # quantized label -> held-out change
     judged: list[dict] = field(default_factory=list)  # the scorecard's judged win rates against each parent
+    stages: set[str] = field(default_factory=set)  # the stages the run has artifacts of (quantize: its labels)
+    grpo_prompts: str | None = None  # grpo.prompts.source of the run's GRPO stage (constraints: the ifeval claims)
 
     def score(self, checkpoint: str, key: str) -> float:
         row = self.scores.get(checkpoint)
@@ -257,6 +259,47 @@ def _int4_perplexity(f: RunFacts) -> float:
     return f.perplexity_change[INT4]
 
 
+MIN_IFEVAL = 300  # held-out constrained prompts the ifeval claims need
+
+
+def _parent_of(f: RunFacts, checkpoint: str) -> str:
+    parent = f.scores.get(checkpoint, {}).get("parent")
+    if parent is None:
+        raise ClaimsError(f"the scorecard row '{checkpoint}' has no parent row (eval.base: true scores the base model)")
+    return parent
+
+
+def _ifeval(checkpoint: str | None, offset: float = 0.0) -> Callable[[RunFacts], float]:
+    """Strict prompt-level accuracy on at least MIN_IFEVAL held-out constrained prompts; checkpoint None is grpo's
+    parent (sft in the chain, the base model when GRPO is the first stage)."""
+    def measure(f: RunFacts) -> float:
+        label = checkpoint or _parent_of(f, "grpo")
+        n = int(f.score(label, "ifeval_n"))
+        if n < MIN_IFEVAL:
+            raise ClaimsError(f"'{label}' was scored on {n} ifeval prompts; the claim needs at least {MIN_IFEVAL}")
+        return f.score(label, "ifeval") + offset
+    return measure
+
+
+def _moved_from_parent(checkpoint: str, suite: str) -> Callable[[RunFacts], float]:
+    def measure(f: RunFacts) -> float:
+        if suite == "gsm8k":
+            return abs(_gsm8k(checkpoint)(f) - _gsm8k(_parent_of(f, checkpoint))(f))
+        return _moved(checkpoint, _parent_of(f, checkpoint), suite)(f)
+    return measure
+
+
+# GRPO on instruction constraints (grpo.prompts.source: constraints) is held to these instead of the GSM8K gain
+IFEVAL_GRPO_CLAIMS: list[Claim] = [
+    Claim("real.grpo.ifeval_gain", f"grpo ifeval strict prompt-level (>= {MIN_IFEVAL} held-out) >= its parent's + 0.10",
+          _ifeval("grpo"), _ifeval(None, 0.10)),
+    Claim("real.grpo.ifeval_interval", "grpo - parent ifeval strict: paired 95% interval above 0",
+          _change("grpo", "ifeval", "low"), _const(ABOVE)),
+    *(Claim(f"real.grpo.{suite}_steady_ifeval", f"grpo {suite} within 0.03 of its parent's",
+            _moved_from_parent("grpo", suite), _const(0.03), at_most=True) for suite in ("gsm8k", *STEADY_SUITES)),
+]
+
+
 REAL_CLAIMS: list[Claim] = [
     Claim("real.sft.gsm8k", f"sft GSM8K 1-2 step greedy (>= {MIN_GSM8K} held-out) >= 0.10", _gsm8k("sft"),
           _const(0.10)),
@@ -295,9 +338,22 @@ REAL_CLAIMS: list[Claim] = [
 ]
 
 
+def claim_stage(claim: Claim) -> str:
+    """The stage a real claim is about: real.<stage>.<what> (int4: the quantize stage's int4 copy)."""
+    stage = claim.name.split(".")[1]
+    return INT4 if stage == "int4" else stage
+
+
 def claims_for(facts: RunFacts) -> list[Claim]:
-    """The claims a run is held to: a real model's when its scorecard has the GSM8K suite, else the tiny world's."""
-    return REAL_CLAIMS if any("gsm8k" in row for row in facts.scores.values()) else CLAIMS
+    """The claims a run is held to: a real model's when its scorecard has the GSM8K or ifeval suite, else the tiny
+    world's. A real run is held to the claims of the stages it has artifacts of (a GRPO-only run from the instruct
+    model: GRPO's); its GRPO to the ifeval claims when it trained on constrained prompts, else to GSM8K's."""
+    if not any("gsm8k" in row or "ifeval" in row for row in facts.scores.values()):
+        return CLAIMS
+    constraints = facts.grpo_prompts == "constraints"
+    claims = [c for c in REAL_CLAIMS if not (constraints and c.name.startswith("real.grpo."))]
+    claims += IFEVAL_GRPO_CLAIMS if constraints else []
+    return [c for c in claims if not facts.stages or claim_stage(c) in facts.stages]
 
 
 def grpo_step_rewards(manifest: dict) -> list[float]:
@@ -311,20 +367,22 @@ def read_facts(run_dir: Path) -> RunFacts:
     if not path.is_file():
         raise ClaimsError(f"{path} does not exist: evaluate the run first (posttrain eval run.name={Path(run_dir).name})")
     card = json.loads(path.read_text())
-    accuracy, pairs, rewards, perplexity = None, None, [], {}
+    accuracy, pairs, rewards, perplexity, stages, prompts = None, None, [], {}, set(), None
     for stage_dir in sorted(d for d in Path(run_dir).iterdir() if d.is_dir()):
         manifest = read_manifest(stage_dir)
         if manifest is None:
             continue
         metrics = manifest.get("metrics", {})
+        stages.add(manifest.get("label") or manifest.get("stage"))
         if manifest.get("stage") == "reward_model":
             accuracy, pairs = metrics.get("pairwise_accuracy"), metrics.get("held_out_pairs")
         elif manifest.get("stage") == "grpo":
             rewards = grpo_step_rewards(manifest)
+            prompts = (((manifest.get("config") or {}).get("grpo") or {}).get("prompts") or {}).get("source")
         elif manifest.get("stage") == "quantize" and "perplexity" in metrics:
             perplexity[manifest.get("label")] = metrics["perplexity"]["change"]
     return RunFacts({r["checkpoint"]: r for r in card["rows"]}, accuracy, rewards, pairs, card.get("changes") or [],
-                    card.get("eval_config") or {}, perplexity, card.get("judged") or [])
+                    card.get("eval_config") or {}, perplexity, card.get("judged") or [], stages, prompts)
 
 
 def check(facts: RunFacts, claims: list[Claim] | None = None) -> list[Verdict]:

@@ -43,7 +43,7 @@ def verdicts(facts: RunFacts) -> dict[str, claims.Verdict]:
 
 def test_a_run_scored_on_gsm8k_is_held_to_the_real_claims_and_meets_them():
     facts = real_facts()
-    assert claims_for(facts) is REAL_CLAIMS
+    assert claims_for(facts) == REAL_CLAIMS
     assert [name for name, v in verdicts(facts).items() if not v.holds] == []
     tiny = RunFacts({"sft": {"checkpoint": "sft", "echo": 1.0}}, 0.9, [])
     assert claims_for(tiny) is CLAIMS
@@ -156,3 +156,42 @@ def test_grpo_reads_pass_at_1_when_the_gsm8k_suite_sampled_four_replies_a_proble
     assert not verdicts(facts)["real.grpo.gsm8k_gain"].holds
     facts = real_facts(eval_config={"gsm8k": {"max_calculations": 2, "samples": 2}})  # too few: greedy
     assert verdicts(facts)["real.grpo.gsm8k_gain"].measured == pytest.approx(0.25)
+
+
+def ifeval_facts(grpo_strict: float = 0.42, low: float = 0.08, grpo_gsm8k: float = 0.05) -> RunFacts:
+    """A GRPO-only run on constrained prompts from the instruct model (the base row is its parent)."""
+    rows = [{**gsm8k_row("base", 0.05), "ifeval": 0.30, "ifeval_n": 300},
+            {**gsm8k_row("grpo", grpo_gsm8k), "ifeval": grpo_strict, "ifeval_n": 300, "parent": "base"}]
+    return RunFacts({r["checkpoint"]: r for r in rows}, None, [0.3] * 5 + [0.4] * 5,
+                    changes=[{"checkpoint": "grpo", "parent": "base", "key": "ifeval", "diff": grpo_strict - 0.30,
+                              "low": low, "high": 0.2, "n": 300}],
+                    eval_config={"gsm8k": {"max_calculations": 2}}, stages={"grpo"}, grpo_prompts="constraints")
+
+
+def test_grpo_on_constraints_is_held_to_the_ifeval_claims_of_its_own_stage():
+    facts = ifeval_facts()
+    names = [c.name for c in claims_for(facts)]
+    assert names == ["real.grpo.ifeval_gain", "real.grpo.ifeval_interval", "real.grpo.gsm8k_steady_ifeval",
+                     "real.grpo.hh_harmful_steady_ifeval", "real.grpo.benign_steady_ifeval"]
+    assert [n for n, v in verdicts(facts).items() if not v.holds] == []
+    # the GSM8K GRPO claims are a GSM8K run's: a chain that ran GRPO on GSM8K keeps them
+    facts.grpo_prompts = "gsm8k"
+    assert "real.grpo.gsm8k_gain" in [c.name for c in claims_for(facts)]
+
+
+@pytest.mark.parametrize("facts, failed", [
+    (ifeval_facts(grpo_strict=0.39), "real.grpo.ifeval_gain"),  # +0.09
+    (ifeval_facts(low=-0.01), "real.grpo.ifeval_interval"),
+    (ifeval_facts(grpo_gsm8k=0.09), "real.grpo.gsm8k_steady_ifeval"),  # moved 0.04
+])
+def test_the_ifeval_claims_fail_on_a_small_gain_a_wide_interval_or_a_moved_suite(facts, failed):
+    assert [n for n, v in verdicts(facts).items() if not v.holds] == [failed]
+
+
+def test_the_ifeval_claims_need_300_prompts_and_a_parent_row():
+    facts = ifeval_facts()
+    facts.scores["grpo"]["ifeval_n"] = 200
+    assert "needs at least 300" in verdicts(facts)["real.grpo.ifeval_gain"].missing
+    facts = ifeval_facts()
+    del facts.scores["grpo"]["parent"]
+    assert "no parent row" in verdicts(facts)["real.grpo.ifeval_gain"].missing
