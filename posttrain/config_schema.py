@@ -156,7 +156,8 @@ class GrpoCfg(LanguageModelStageCfg):
     prompts: PromptsCfg = field(default_factory=PromptsCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
     sampling: SamplingCfg = field(default_factory=SamplingCfg)
-    rewards: dict[str, float] = field(default_factory=lambda: {"math_verifier": 1.0})  # name in rewards.REWARDS -> weight
+    # name in rewards.REWARDS -> weight; empty by default: a recipe's table is merged over it, so an entry would stay
+    rewards: dict[str, float] = field(default_factory=dict)
     reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
 
 
