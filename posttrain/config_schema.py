@@ -125,7 +125,8 @@ class RewardModelCfg(StageCfg):
 
 @dataclass
 class PromptsCfg:
-    # tiny_arith | gsm8k (question / answer) | openr1_math (OpenR1-Math-220k: problem / answer)
+    # tiny_arith | gsm8k (question / answer) | openr1_math (OpenR1-Math-220k: problem / answer) | constraints (real
+    # prompts with an IFEval-style constraint appended: posttrain/data/constraints.py; its train split)
     source: str = "tiny_arith"
     path: str | None = None  # a local JSONL / JSON / Parquet file; null: hub_id (or the source's hub id)
     hub_id: str | None = None
@@ -133,6 +134,10 @@ class PromptsCfg:
     # gsm8k only: keep problems whose reference solution has at most this many <<...>> calculations (and at least
     # one); null keeps every problem. 2 keeps the 1-2 step problems a small model sometimes gets right
     max_calculations: int | None = None
+    # constraints only: the Dolly instructions rendered as Alpaca prompts, added to path's GSM8K questions as base
+    # prompts (null: GSM8K only), and the constraint types to deal (null: every one rewards.constraints supports)
+    dolly_path: str | None = None
+    types: list[str] | None = None
 
 
 @dataclass
@@ -235,6 +240,16 @@ class BenignSuiteCfg:
 
 
 @dataclass
+class IfevalSuiteCfg:
+    # the held-out split of posttrain.data.constraints (the same files, types and data seed as grpo.prompts)
+    split_seed: int = 0  # GRPO's data seed (data.seed)
+    gsm8k_path: str | None = None
+    dolly_path: str | None = None
+    types: list[str] | None = None
+    max_new_tokens: int = 128
+
+
+@dataclass
 class LatencyCfg:
     requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
     max_tokens: int = 32
@@ -258,6 +273,7 @@ class EvalCfg:
     math500: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # HuggingFaceH4/MATH-500, scored by the math verifier
     hh_harmful: HhSuiteCfg = field(default_factory=HhSuiteCfg)  # held-out HH-RLHF harmful requests: refusal rate
     benign: BenignSuiteCfg = field(default_factory=BenignSuiteCfg)  # held-out Dolly rows and GSM8K: answered rate
+    ifeval: IfevalSuiteCfg = field(default_factory=IfevalSuiteCfg)  # held-out constrained prompts: strict accuracy
 
 
 @dataclass

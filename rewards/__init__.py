@@ -5,6 +5,7 @@ choose rewards by name through REWARDS, the one explicit name -> function table.
 """
 
 from rewards.code_verifier import code_verifier, code_verifier_strict
+from rewards.constraints import instruction_loose, instruction_strict
 from rewards.echo import echo_exact_match
 from rewards.refusal import answered, refusal
 from rewards.safety import tiny_safety_rule
@@ -16,6 +17,8 @@ REWARDS = {
     "code_verifier": code_verifier,
     "code_verifier_strict": code_verifier_strict,
     "echo_exact_match": echo_exact_match,
+    "instruction_loose": instruction_loose,
+    "instruction_strict": instruction_strict,
     "math_verifier": math_verifier,
     "refusal": refusal,
     "running_sum_steps": running_sum_steps,
@@ -29,6 +32,8 @@ __all__ = [
     "code_verifier",
     "code_verifier_strict",
     "echo_exact_match",
+    "instruction_loose",
+    "instruction_strict",
     "math_verifier",
     "refusal",
     "running_sum_steps",

@@ -53,7 +53,9 @@ def build_checker(constraint: dict):
     if cid not in SUPPORTED:
         raise ValueError(f"constraint id '{cid}' is not supported; supported: {', '.join(SUPPORTED)}")
     checker = _registry()[cid](cid)
-    kwargs = dict(constraint.get("kwargs") or {})
+    # a `datasets` column of constraints holds the union of every type's kwargs, None where a type has no such
+    # parameter (as google/IFEval's own rows do): None means absent
+    kwargs = {k: v for k, v in (constraint.get("kwargs") or {}).items() if v is not None}
     checker.build_description(**kwargs)
     expected = checker.get_instruction_args_keys()
     if missing := [k for k in expected if k not in kwargs]:
@@ -63,7 +65,8 @@ def build_checker(constraint: dict):
 
 def describe(constraint: dict) -> str:
     """The instruction text IFEval words for the constraint ("Answer with less than 40 words.")."""
-    return build_checker(constraint).build_description(**constraint["kwargs"])
+    checker = build_checker(constraint)
+    return checker.build_description(**{k: v for k, v in constraint["kwargs"].items() if v is not None})
 
 
 def check_reply(reply: str, constraints: list[dict]) -> list[dict]:

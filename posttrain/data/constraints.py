@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from posttrain.data.dolly import DataError, read_rows
-from posttrain.data.prompts import calculations
+from posttrain.data.gsm8k import calculations
 from rewards.constraints import SUPPORTED, describe
 
 HELD_OUT_BASES = 480  # base prompts held out (the ifeval suite reads the first n_prompts of them)

@@ -17,7 +17,16 @@ from pathlib import Path
 
 from posttrain.artifacts import sha256_json
 from posttrain.data.dolly import DataError, read_rows
-from posttrain.data.prompts import calculations
+
+
+def calculations(solution: str) -> int:
+    """The <<expression=result>> annotations of a GSM8K reference solution: one per arithmetic step.
+
+    >>> calculations("She has 3+4=<<3+4=7>>7 apples, 7*2=<<7*2=14>>14 in all.\\n#### 14")
+    2
+    """
+    return solution.count("<<")
+
 
 _ANNOTATION = re.compile(r"<<[^<>]*>>")
 FINAL = "####"

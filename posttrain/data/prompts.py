@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.artifacts import sha256_json
+from posttrain.data.constraints import constrained_rows
 from posttrain.data.dolly import DataError, read_rows
+from posttrain.data.gsm8k import calculations
 from posttrain.data.tiny_world import make_arith, take_split
 
 # source -> (the column that is the question, the data card); the verifier's gold is the `answer` column
@@ -24,15 +26,6 @@ def prompt_rows(prompts_cfg) -> tuple[str, list[dict]]:
     hub_id, config = (prompts_cfg.hub_id, None) if prompts_cfg.hub_id else HUB_IDS[prompts_cfg.source]
     split = "train" if prompts_cfg.n is None else f"train[:{prompts_cfg.n}]"
     return f"{hub_id}:train", list(load_dataset(hub_id, config, split=split))
-
-
-def calculations(solution: str) -> int:
-    """The <<expression=result>> annotations of a GSM8K reference solution: one per arithmetic step.
-
-    >>> calculations("She has 3+4=<<3+4=7>>7 apples, 7*2=<<7*2=14>>14 in all.\\n#### 14")
-    2
-    """
-    return solution.count("<<")
 
 
 def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
@@ -58,7 +51,15 @@ def load_prompts(prompts_cfg, seed: int) -> tuple[list[dict], dict]:
         rows = rows[: prompts_cfg.n] if prompts_cfg.n else rows
         record = {"id": source, "card": f"data_cards/{card}.md",
                   **({"max_calculations": limit} if limit is not None else {})}
+    elif prompts_cfg.source == "constraints":
+        if prompts_cfg.max_calculations is not None:
+            raise ValueError("grpo.prompts.max_calculations filters GSM8K solutions; with source constraints the "
+                             "GSM8K questions are those of 3 or more calculations: set it to null")
+        types = list(prompts_cfg.types) if prompts_cfg.types else None
+        rows = constrained_rows("train", prompts_cfg.n, seed, prompts_cfg.path, prompts_cfg.dolly_path, types)
+        record = {"id": "ifeval-constraints (train split)", "card": "data_cards/ifeval-constraints.md",
+                  "gsm8k": prompts_cfg.path, "dolly": prompts_cfg.dolly_path, "types": types or "all", "seed": seed}
     else:
         raise ValueError(f"grpo.prompts.source '{prompts_cfg.source}' is not one of tiny_arith, "
-                         f"{', '.join(PROMPT_SOURCES)}")
+                         f"{', '.join(PROMPT_SOURCES)}, constraints")
     return rows, {**record, "rows": len(rows), "content_sha256": sha256_json(rows)}

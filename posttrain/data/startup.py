@@ -148,6 +148,11 @@ def prompt_jobs(prompts_cfg, rows: list[dict]) -> list[Job]:
     if prompts_cfg.source == "tiny_arith":
         return tiny_jobs(rows, lambda r: "arith_prompts", {"arith_prompts": prompts_cfg.n or 2000},
                          "tiny_world/arith_prompts")
+    if prompts_cfg.source == "constraints":
+        # the GSM8K file the constrained prompts' questions come from, checked against its card (the Dolly Alpaca
+        # rows are parsed, and refused by row, by posttrain.data.constraints itself)
+        raw = read_rows(Path(prompts_cfg.path)) if prompts_cfg.path else []
+        return [file_job("gsm8k", raw, prompts_cfg.path, "openai/gsm8k", "train", limited=True)] if raw else []
     source, raw = prompt_rows(prompts_cfg)
     raw = raw[: prompts_cfg.n] if prompts_cfg.n else raw  # the rows the stage takes
     card = PROMPT_SOURCES[prompts_cfg.source][1]

@@ -142,6 +142,8 @@ def record_greedy(row: dict, suite, completions: list[str], seed: int) -> None:
         row[f"{suite.name}_replies"] = list(completions)
     row[f"{suite.name}_examples"] = [{"prompt": r["messages"][-1]["content"], "completion": c, "score": s}
                                      for r, c, s in list(zip(suite.rows, completions, scores))[:3]]
+    if suite.details is not None:
+        row.update(suite.details(suite.rows, completions, seed))
 
 
 def record_sampled(row: dict, suite, sampled: list[list[str]], seed: int) -> None:
@@ -197,7 +199,7 @@ def build_suites(eval_cfg, seed: int, names: list[str] | None = None) -> list:
         kwargs = {}
         if name == "arith":
             kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature}
-        elif name in ("pku_saferlhf", "gsm8k", "math500", "hh_harmful", "benign"):
+        elif name in ("pku_saferlhf", "gsm8k", "math500", "hh_harmful", "benign", "ifeval"):
             kwargs = dict(eval_cfg[name])
             if name in ("gsm8k", "math500"):
                 kwargs["temperature"] = eval_cfg.temperature
@@ -320,6 +322,24 @@ def render_quantization(card: dict) -> list[str]:
     return lines
 
 
+def render_ifeval_types(rows: list[dict]) -> list[str]:
+    """The ifeval suite per checkpoint: strict and loose prompt-level accuracy, then the strict rate per type."""
+    scored = [r for r in rows if "ifeval_types" in r]
+    if not scored:
+        return []
+    types = sorted({t for r in scored for t in r["ifeval_types"]})
+    lines = ["", "## Instruction constraints (ifeval): strict rate per constraint type", "",
+             "| checkpoint | strict | loose [95% CI] | " + " | ".join(f"{t} (n)" for t in types) + " |",
+             "|" + "---|" * (3 + len(types))]
+    for r in scored:
+        low, high = r["ifeval_loose_ci"]
+        cells = [r["checkpoint"], f"{r['ifeval']:.3f}", f"{r['ifeval_loose']:.3f} [{low:.3f}, {high:.3f}]"]
+        cells += [f"{r['ifeval_types'][t]['strict']:.2f} ({r['ifeval_types'][t]['n']})" if t in r["ifeval_types"]
+                  else "n/a" for t in types]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_markdown(card: dict) -> str:
     """One row per checkpoint: each suite's greedy score (n prompts), and pass@1 where the suite samples."""
     rows = card["rows"]
@@ -359,6 +379,7 @@ def render_markdown(card: dict) -> str:
                       "prompts for a mean of fractional scores (pass@1)."]
     if {"hh_harmful", "benign"} & set(card["suites"]):
         lines += ["", REFUSAL_NOTE]
+    lines += render_ifeval_types(rows)
     lines += render_changes(card, HEADERS)
     lines += render_judged(card)
     if card.get("quantization"):

@@ -11,10 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from posttrain.data.constraints import constrained_rows
 from posttrain.data.dolly import DataError, load_dolly, read_rows
 from posttrain.data.preferences import hh_rlhf_pairs
-from posttrain.data.prompts import calculations
+from posttrain.data.gsm8k import calculations
 from posttrain.data.tiny_world import eval_rows
+from posttrain.evaluation.stats import mean_interval
 from rewards import REWARDS
 from rewards.safety import RewardModelSafety
 
@@ -29,6 +31,8 @@ class Suite:
     samples: int = 0  # replies sampled per prompt for pass@1; 0 scores greedy replies only
     temperature: float = 1.0
     keep_replies: bool = False  # the scorecard keeps every greedy reply (for a judge, or to rescore by a new rule)
+    # more figures for the checkpoint's row from the greedy replies: details(rows, completions, seed) -> {key: value}
+    details: Callable | None = None
 
     def score(self, completions: list[str]) -> list[float | None]:
         kwargs = {c: [r[c] for r in self.rows] for c in self.columns}
@@ -189,9 +193,37 @@ def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, 
     return math_suite("math500", "HuggingFaceH4/MATH-500", "problem", n, path, samples, temperature, max_new_tokens)
 
 
+def ifeval_suite(n: int, seed: int, split_seed: int = 0, gsm8k_path: str | None = None, dolly_path: str | None = None,
+                 types: list[str] | None = None, max_new_tokens: int = 128) -> Suite:
+    """The first `n` held-out constrained prompts (posttrain.data.constraints: disjoint from GRPO's train split by
+    base prompt and by every constraint parameter), scored by IFEval's strict rule: the suite's score is strict
+    prompt-level accuracy. The scorecard adds the loose accuracy and a per-type breakdown (`ifeval_types`)."""
+    rows = constrained_rows("held_out", n, split_seed, gsm8k_path, dolly_path, list(types) if types else None)
+    rows = [{"messages": r["prompt"], "constraints": r["constraints"], "type": r["type"]} for r in rows]
+    return Suite("ifeval", rows, REWARDS["instruction_strict"], ("constraints",), max_new_tokens=max_new_tokens,
+                 keep_replies=True, details=ifeval_details)
+
+
+def ifeval_details(rows: list[dict], completions: list[str], seed: int) -> dict:
+    """Loose prompt-level accuracy (with its interval and per-prompt scores) and, per constraint type, the prompts,
+    strict and loose rates."""
+    loose = REWARDS["instruction_loose"](completions, constraints=[r["constraints"] for r in rows])
+    strict = REWARDS["instruction_strict"](completions, constraints=[r["constraints"] for r in rows])
+    types: dict[str, dict] = {}
+    for row, s, lo in zip(rows, strict, loose):
+        entry = types.setdefault(row["type"], {"n": 0, "strict": 0.0, "loose": 0.0})
+        entry["n"] += 1
+        entry["strict"] += s
+        entry["loose"] += lo
+    for entry in types.values():
+        entry["strict"], entry["loose"] = entry["strict"] / entry["n"], entry["loose"] / entry["n"]
+    return {"ifeval_loose": sum(loose) / len(loose), "ifeval_loose_ci": mean_interval(loose, seed),
+            "ifeval_loose_scores": loose, "ifeval_types": dict(sorted(types.items()))}
+
+
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
           "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite,
-          "hh_harmful": hh_harmful_suite, "benign": benign_suite}
+          "hh_harmful": hh_harmful_suite, "benign": benign_suite, "ifeval": ifeval_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:
