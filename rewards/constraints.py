@@ -40,6 +40,11 @@ SUPPORTED = (
 def _registry() -> dict:
     # imported on first use: it pulls in nltk and langdetect, a few seconds that a run without constraints never pays
     from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+    from langdetect import DetectorFactory
+
+    # the lowercase and capitals checkers also ask langdetect whether the reply is English; langdetect samples, so
+    # without a fixed seed the same reply can score differently from call to call
+    DetectorFactory.seed = 0
 
     return INSTRUCTION_DICT
 
@@ -110,8 +115,9 @@ def instruction_loose(completions, constraints=None, **kwargs) -> list[float | N
     """IFEval's loose accuracy: as `instruction_strict`, but the reply also counts when it meets the constraints
     without its first line, its last line, both, or its markdown asterisks.
 
-    >>> c = [{"id": "change_case:english_lowercase", "kwargs": {}}]
-    >>> instruction_strict(["Sure!\\nhere it is"], constraints=[c]), instruction_loose(["Sure!\\nhere it is"], constraints=[c])
+    >>> c = [{"id": "punctuation:no_comma", "kwargs": {}}]
+    >>> reply = "Sure, here it is:\\nit is four"
+    >>> instruction_strict([reply], constraints=[c]), instruction_loose([reply], constraints=[c])
     ([0.0], [1.0])
     """
     return _score(completions, constraints, "loose")

@@ -1,0 +1,122 @@
+"""Instruction-constraint verifiers (rewards/constraints.py: IFEval's checkers) and the constrained prompt set
+(posttrain/data/constraints.py): each type passes and fails where it should, what replies that game it get, and a
+split that shares no prompt and no constraint parameter between train and held-out rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.data.constraints import PARAMETERS, constrained_rows, overlap
+from posttrain.data.dolly import DataError
+from rewards import REWARDS
+from rewards.constraints import SUPPORTED, check_reply, describe, instruction_loose, instruction_strict
+from tests.conftest import shared_path
+
+# type: (kwargs, a reply that meets it, one that does not, what an empty reply, the constraint's own text restated
+# as the reply, and a one-word reply "Four" get under the strict rule). Restating the instruction meets six types,
+# since IFEval's wording carries its own example (a <<title>>, the keyword, "* bullet", "*highlighted section*",
+# "P.S.", many a's); "Four" meets the limits a short reply cannot break (no commas, under 5 words, no "very").
+CASES = {
+    "change_case:english_lowercase": ({}, "the answer is four.", "The answer is four.", False, False, False),
+    "change_case:english_capital": ({}, "THE ANSWER IS FOUR.", "The answer is four.", False, False, False),
+    "punctuation:no_comma": ({}, "Yes it is four.", "Yes, it is four.", False, False, True),
+    "detectable_format:json_format": ({}, '{"answer": 4}', "The answer is 4.", False, False, False),
+    "detectable_format:title": ({}, "<<Four>>\nThe answer is 4.", "Four\nThe answer is 4.", False, True, False),
+    "startend:quotation": ({}, '"The answer is 4."', "The answer is 4.", False, False, False),
+    "startend:end_checker": ({"end_phrase": "Hope this helps."}, "The answer is 4. Hope this helps.",
+                             "Hope this helps. The answer is 4.", False, False, False),
+    "length_constraints:number_words": ({"num_words": 5, "relation": "less than"}, "It is four.",
+                                        "The answer to this is four apples.", False, False, True),
+    "length_constraints:number_paragraphs": ({"num_paragraphs": 2}, "First part.\n***\nSecond part.",
+                                             "First part.\nSecond part.", False, False, False),
+    "keywords:existence": ({"keywords": ["simple"]}, "A simple answer: 4.", "The answer is 4.", False, True, False),
+    "keywords:forbidden_words": ({"forbidden_words": ["very"]}, "It is four.", "It is very much four.", False, False,
+                                 True),
+    "keywords:frequency": ({"keyword": "step", "frequency": 2, "relation": "at least"},
+                           "One step, then another step.", "One step only.", False, False, False),
+    "keywords:letter_frequency": ({"letter": "a", "let_frequency": 3, "let_relation": "at least"}, "a banana", "no",
+                                  False, True, False),
+    "detectable_format:number_bullet_lists": ({"num_bullets": 2}, "* one\n* two", "* one\n* two\n* three", False,
+                                              True, False),
+    "detectable_format:number_highlighted_sections": ({"num_highlights": 1}, "The *answer* is 4.", "The answer is 4.",
+                                                      False, True, False),
+    "detectable_content:postscript": ({"postscript_marker": "P.S."}, "It is 4.\nP.S. I checked.", "It is 4.", False,
+                                      True, False),
+}
+
+
+def test_every_supported_type_has_a_case():
+    assert set(CASES) == set(SUPPORTED) and len(SUPPORTED) >= 12
+
+
+@pytest.mark.parametrize("cid", sorted(CASES))
+def test_each_type_passes_fails_and_scores_gaming_replies_as_ifeval_does(cid):
+    kwargs, good, bad, empty, restated, one_word = CASES[cid]
+    constraint = [{"id": cid, "kwargs": kwargs}]
+    strict = lambda reply: check_reply(reply, constraint)[0]["strict"]  # noqa: E731
+    assert (strict(good), strict(bad)) == (True, False)
+    assert (strict(""), strict(describe(constraint[0])), strict("Four")) == (empty, restated, one_word)
+
+
+def test_rewards_score_rows_and_skip_rows_without_constraints():
+    c = [{"id": "punctuation:no_comma", "kwargs": {}}]
+    assert REWARDS["instruction_strict"] is instruction_strict
+    assert instruction_strict(["a, b", "a b", "   "], constraints=[c, c, c]) == [0.0, 1.0, 0.0]
+    assert instruction_strict(["a b"], constraints=[[]]) == [None]
+    assert instruction_strict(["a b", "c"]) == [None, None]  # a row set without the column
+    both = c + [{"id": "change_case:english_lowercase", "kwargs": {}}]
+    # every constraint must hold (the lowercase checker also needs langdetect to call the reply English)
+    assert instruction_strict(["the answer is four", "The answer is four"], constraints=[both, both]) == [1.0, 0.0]
+    # loose: a first line such as "Sure!" does not decide it, markdown asterisks neither
+    lower = [{"id": "change_case:english_lowercase", "kwargs": {}}]
+    replies = ["Sure!\nthe answer to this question is four", "**the** answer to this question is four"]
+    assert instruction_loose(replies, constraints=[lower, lower]) == [1.0, 1.0]
+    assert instruction_strict(replies[:1], constraints=[lower]) == [0.0]
+
+
+def test_unknown_ids_and_missing_parameters_are_refused():
+    with pytest.raises(ValueError, match="'length_constraints:number_sentences' is not supported"):
+        instruction_strict(["x"], constraints=[[{"id": "length_constraints:number_sentences", "kwargs": {}}]])
+    with pytest.raises(ValueError, match=r"needs kwargs \['end_phrase'\]"):
+        describe({"id": "startend:end_checker", "kwargs": {}})
+    # a datasets column holds the union of every type's kwargs, None where absent
+    assert describe({"id": "startend:end_checker", "kwargs": {"end_phrase": "Bye.", "num_words": None}}).endswith(
+        "Bye.. No other words should follow this phrase.")
+
+
+@pytest.fixture(scope="module")
+def split():
+    gsm8k = shared_path("data", "gsm8k", "train.jsonl")
+    dolly = shared_path("data", "dolly", "dolly_derived_alpaca_prompt_validation_151.jsonl")
+    return (constrained_rows("train", None, 0, str(gsm8k), str(dolly)),
+            constrained_rows("held_out", None, 0, str(gsm8k), str(dolly)))
+
+
+def test_the_split_shares_no_prompt_and_no_parameter(split):
+    train, held_out = split
+    assert len(held_out) >= 300 and len(train) > 4000
+    assert overlap(train, held_out) == {"prompts": [], "parameters": []}
+    assert {r["type"] for r in held_out[:300]} == set(SUPPORTED)  # every type is measured
+    row = held_out[0]
+    assert row["prompt"][0]["content"].endswith(describe(row["constraints"][0]))
+    # the check sees a row moved across: its prompt, and its parameters when it has any
+    moved = next(r for r in held_out if r["type"] in PARAMETERS)
+    found = overlap(train + [moved], held_out)
+    assert found["prompts"] == [moved["base_id"]] and found["parameters"]
+
+
+def test_the_split_depends_on_the_seed_only_and_refuses_too_many_rows(split):
+    gsm8k = str(shared_path("data", "gsm8k", "train.jsonl"))
+    assert constrained_rows("held_out", 20, 0, gsm8k, None) == constrained_rows("held_out", 20, 0, gsm8k, None)
+    assert constrained_rows("held_out", 20, 1, gsm8k, None) != constrained_rows("held_out", 20, 0, gsm8k, None)
+    with pytest.raises(DataError, match="the held_out split has 480 constrained prompts; 500 were asked for"):
+        constrained_rows("held_out", 500, 0, gsm8k, None)
+    with pytest.raises(ValueError, match="not supported"):
+        constrained_rows("train", 5, 0, gsm8k, None, types=["language:response_language"])
+
+
+def test_bad_base_rows_name_the_file_row_and_field(tmp_path):
+    bad = tmp_path / "alpaca.jsonl"
+    bad.write_text('{"prompt": "no instruction here"}\n')
+    with pytest.raises(DataError, match=rf"{bad}: row 1: field 'prompt' is not an Alpaca prompt"):
+        constrained_rows("train", 1, 0, None, str(bad))
