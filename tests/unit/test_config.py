@@ -40,16 +40,20 @@ def test_a_stage_view_resolves_interpolations_into_other_blocks():
     assert changed["dpo"]["pairs"]["n_eval"] == 8  # the hash follows the value the interpolation resolves to
 
 
-def test_smollm2_long_is_smollm2_with_longer_grpo_and_dpo():
-    """recipes/pipeline/smollm2-long.yaml starts from pipeline=smollm2 and changes GRPO and DPO only: every other
-    stage's view (what its config hash covers) is smollm2's, so the stages of the two chains are the same work."""
+def test_smollm2_long_is_smollm2_with_longer_dpo_and_grpo_on_constraints():
+    """recipes/pipeline/smollm2-long.yaml is pipeline=smollm2 with pipeline=smollm2-ifeval's GRPO (on constrained
+    prompts) and a longer DPO: every other stage's view (what its config hash covers) is smollm2's, so the stages of
+    the two chains are the same work, and its eval is smollm2's plus the ifeval suite."""
     short, long = compose(["pipeline=smollm2"]), compose(["pipeline=smollm2-long"])
+    ifeval = compose(["pipeline=smollm2-ifeval"])
     assert long.pipeline.stages == short.pipeline.stages and long.pipeline.name == "smollm2-long"
     for stage in ("sft", "reward_model", "quantize:int4-gptq"):
         assert config_mod.stage_view(long, stage) == config_mod.stage_view(short, stage), stage
-    assert long.eval == short.eval
+    assert long.eval.suites == [*short.eval.suites, "ifeval"] and long.eval.gsm8k == short.eval.gsm8k
+    assert long.eval.ifeval == ifeval.eval.ifeval and long.eval.n_prompts.ifeval == 300
+    assert config_mod.stage_view(long, "grpo") == config_mod.stage_view(ifeval, "grpo")
     assert (long.grpo.trainer.max_steps, long.grpo.trainer.num_generations) == (40, 8)
-    assert long.grpo.prompts == short.grpo.prompts and long.grpo.rewards == short.grpo.rewards
+    assert long.grpo.prompts.source == "constraints" and dict(long.grpo.rewards) == {"instruction_strict": 1.0}
     assert (long.dpo.pairs.n_train, long.dpo.trainer.max_steps, len(long.dpo.lora.target_modules)) == (800, 100, 7)
     assert long.dpo.pairs.n_eval == short.reward_model.pairs.n_eval  # DPO still holds out the judge's conversations
 
