@@ -120,3 +120,24 @@ def test_bad_base_rows_name_the_file_row_and_field(tmp_path):
     bad.write_text('{"prompt": "no instruction here"}\n')
     with pytest.raises(DataError, match=rf"{bad}: row 1: field 'prompt' is not an Alpaca prompt"):
         constrained_rows("train", 1, 0, None, str(bad))
+
+
+def test_the_ifeval_suite_scores_strict_and_puts_loose_and_each_type_in_the_scorecard():
+    from posttrain.evaluation.scorecard import record_greedy, render_ifeval_types
+    from posttrain.evaluation.suites import build_suite
+
+    gsm8k = str(shared_path("data", "gsm8k", "train.jsonl"))
+    suite = build_suite("ifeval", 32, 0, split_seed=0, gsm8k_path=gsm8k)
+    assert [r["messages"] for r in suite.rows] == [r["prompt"] for r in constrained_rows("held_out", 32, 0, gsm8k,
+                                                                                        None)]
+    # "Sure!" on a line of its own, then a reply that meets no commas: strict fails where loose passes
+    replies = ["Sure!\nit is four" if r["type"] == "change_case:english_lowercase" else "Four" for r in suite.rows]
+    row = {"checkpoint": "grpo"}
+    record_greedy(row, suite, replies, seed=0)
+    types = row["ifeval_types"]
+    assert sum(t["n"] for t in types.values()) == 32 and set(types) == set(SUPPORTED)
+    assert types["punctuation:no_comma"]["strict"] == 1.0 and types["startend:quotation"]["strict"] == 0.0
+    assert row["ifeval"] == sum(row["ifeval_scores"]) / 32 and row["ifeval_loose"] >= row["ifeval"]
+    assert len(row["ifeval_replies"]) == 32  # kept, so a later rule can rescore them
+    table = "\n".join(render_ifeval_types([row]))
+    assert "| grpo | " in table and "punctuation:no_comma (n)" in table
