@@ -124,6 +124,16 @@ class RewardModelCfg(StageCfg):
 
 
 @dataclass
+class ScreenCfg:
+    # a pass-rate screen before training: the parent model samples each prompt `samples` times on the engine (at
+    # grpo.trainer's temperature and max_completion_length), the recipe's rewards score them, and the prompts whose
+    # mean weighted reward lies in [keep[0], keep[1]] are kept (0 samples: no screen)
+    samples: int = 0
+    keep: list[float] = field(default_factory=lambda: [0.1, 0.9])
+    batch: int = 64  # completions decoded together
+
+
+@dataclass
 class PromptsCfg:
     # tiny_arith | gsm8k (question / answer) | openr1_math (OpenR1-Math-220k: problem / answer) | constraints (real
     # prompts with an IFEval-style constraint appended: posttrain/data/constraints.py; its train split)
@@ -138,6 +148,7 @@ class PromptsCfg:
     # prompts (null: GSM8K only), and the constraint types to deal (null: every one rewards.constraints supports)
     dolly_path: str | None = None
     types: list[str] | None = None
+    screen: ScreenCfg = field(default_factory=ScreenCfg)
 
 
 @dataclass
@@ -246,6 +257,7 @@ class IfevalSuiteCfg:
     gsm8k_path: str | None = None
     dolly_path: str | None = None
     types: list[str] | None = None
+    screen: ScreenCfg = field(default_factory=ScreenCfg)
     max_new_tokens: int = 128
 
 

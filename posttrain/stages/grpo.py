@@ -28,6 +28,7 @@ from posttrain.grpo_sampling import dynamic_sampling_trainer
 from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
+from posttrain.serve.engine import Engine, SamplingParams, default_stop_ids, model_from_hf
 from posttrain.serve.rollout import EngineRollout
 from posttrain.training import StageRun
 from rewards import REWARDS
@@ -188,6 +189,44 @@ def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
     return funcs
 
 
+def screen_prompts(rows: list[dict], screen, model, tokenizer, funcs: dict[str, tuple], args,
+                   template_kwargs: dict) -> tuple[list[dict], dict]:
+    """Keep the prompts the parent model passes some of the time: each is sampled `screen.samples` times on the
+    engine (grpo.trainer's temperature, top-p / top-k and max_completion_length), scored by the recipe's weighted
+    rewards, and kept when the mean lies in `screen.keep`. A group of a prompt the model always or never solves has
+    zero advantage; screening spends generation once, before training, instead of every step. Returns the rows kept
+    and the screen's record (each screened row's pass rate, in the manifest)."""
+    lo, hi = screen.keep
+    if training.world_size() > 1:
+        raise ValueError("grpo.prompts.screen runs on one process (each would draw its own samples and keep other "
+                         "prompts); screen in a one-process run, or set grpo.prompts.screen.samples=0")
+    if not 0 <= lo <= hi <= 1 or screen.samples < 2:
+        raise ValueError(f"grpo.prompts.screen: keep must be [lo, hi] within [0, 1] and samples at least 2, got "
+                         f"keep {list(screen.keep)}, samples {screen.samples}")
+    engine = Engine(model_from_hf(model), tokenizer, max_batch=screen.batch)
+    params = SamplingParams(max_tokens=args.max_completion_length, temperature=args.temperature,
+                            top_p=args.top_p if args.top_p is not None else 1.0, top_k=args.top_k or 0,
+                            stop_token_ids=default_stop_ids(tokenizer))
+    prompt_ids = tokenizer.apply_chat_template([r["prompt"] for r in rows], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, **template_kwargs)["input_ids"]
+    started = time.perf_counter()
+    repeated = [list(ids) for ids in prompt_ids for _ in range(screen.samples)]
+    texts = [c.text for c in engine.generate(repeated, params, progress=True)]
+    columns = {k: [r[k] for r in rows for _ in range(screen.samples)] for k in rows[0] if k != "prompt"}
+    prompts = [r["prompt"] for r in rows for _ in range(screen.samples)]
+    totals = [0.0] * len(texts)
+    for fn, weight in funcs.values():
+        for i, score in enumerate(fn(prompts=prompts, completions=texts, **columns)):
+            totals[i] += weight * (score or 0.0)
+    rates = [sum(totals[i * screen.samples:(i + 1) * screen.samples]) / screen.samples for i in range(len(rows))]
+    kept = [r for r, rate in zip(rows, rates) if lo <= rate <= hi]
+    log.info("grpo: the screen kept %d of %d prompts with a pass rate in [%.2f, %.2f] (%d samples each, %.0f s); "
+             "%d never passed, %d always did", len(kept), len(rows), lo, hi, screen.samples,
+             time.perf_counter() - started, sum(r == 0 for r in rates), sum(r >= 1 for r in rates))
+    return kept, {"samples": screen.samples, "keep": [lo, hi], "screened": len(rows), "kept": len(kept),
+                  "pass_rates": [round(r, 4) for r in rates]}
+
+
 def scale_name(scale_rewards) -> str:
     """TRL's scale_rewards (group | batch | none, or a bool in older recipes) as group_advantages' `scale`."""
     return {True: "group", False: "none"}.get(scale_rewards, str(scale_rewards))
@@ -255,6 +294,10 @@ def main(cfg, run: StageRun) -> dict:
                                     getattr(args, "max_prompt_length", None), dict(cfg.grpo.chat_template_kwargs or {}),
                                     cfg.get("eval"), cfg.data.seed)
     funcs = build_rewards(cfg, run)
+    if cfg.grpo.prompts.screen.samples:
+        rows, record["screen"] = screen_prompts(rows, cfg.grpo.prompts.screen, model, tokenizer, funcs, args,
+                                                dict(cfg.grpo.chat_template_kwargs or {}))
+        check_prompts_fill_a_step(len(rows), args, training.world_size())
     table_path = run.out_dir / COMPLETIONS
     resume = training.last_checkpoint(run)
     if training.is_main_process():

@@ -116,3 +116,23 @@ def test_a_reward_that_never_fires_is_reported(tiny_tokenizer, tmp_path, caplog)
             trainer._generate_and_score_completions(batch_of(["vary one", "vary two"]))
     assert "reward 'never' scored 0 on every completion" in caplog.text
     assert "reward 'varied'" not in caplog.text
+
+
+def test_the_screen_keeps_the_prompts_passed_some_of_the_time(tiny_tokenizer, tmp_path):
+    from posttrain.stages.grpo import screen_prompts
+
+    def reward(prompts, completions, **kwargs):
+        scores = varied_reward(prompts, completions)
+        return [1.0 if "always" in p[-1]["content"] else s for p, s in zip(prompts, scores)]
+
+    trainer = make_trainer(tiny_tokenizer, tmp_path, POOL, "none", [varied_reward])
+    rows = [{"prompt": [{"role": "user", "content": p}], "answer": "x"}
+            for p in ("flat one", "vary one", "always one", "vary two")]
+    screen = SimpleNamespace(samples=6, keep=[0.1, 0.9], batch=8)
+    kept, record = screen_prompts(rows, screen, trainer.model, tiny_tokenizer, {"r": (reward, 1.0)}, trainer.args, {})
+    assert [r["prompt"][0]["content"] for r in kept] == ["vary one", "vary two"]
+    assert record["screened"] == 4 and record["kept"] == 2 and record["samples"] == 6
+    assert record["pass_rates"][0] == 0.0 and record["pass_rates"][2] == 1.0 and 0.1 <= record["pass_rates"][1] <= 0.9
+    with pytest.raises(ValueError, match="keep must be"):
+        screen_prompts(rows, SimpleNamespace(samples=6, keep=[0.9, 0.1], batch=8), trainer.model, tiny_tokenizer,
+                       {"r": (reward, 1.0)}, trainer.args, {})
