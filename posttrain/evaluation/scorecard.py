@@ -30,7 +30,8 @@ from posttrain.serve.server import background_server
 
 log = logging.getLogger("posttrain")
 HEADERS = {"safety": "safe replies", "over_refusal": "benign answered", "pku_saferlhf": "PKU safe replies",
-           "hh_harmful": "HH harmful refused", "benign": "real benign answered"}  # what the suite's score is a rate of
+           "hh_harmful": "HH harmful refused", "benign": "real benign answered", "ifeval": "ifeval strict",
+           "ifeval_loose": "ifeval loose"}  # what the suite's score is a rate of
 
 
 def mean(scores: list[float | None]) -> tuple[float, int]:
@@ -323,18 +324,20 @@ def render_quantization(card: dict) -> list[str]:
 
 
 def render_ifeval_types(rows: list[dict]) -> list[str]:
-    """The ifeval suite per checkpoint: strict and loose prompt-level accuracy, then the strict rate per type."""
+    """The ifeval suite per checkpoint: strict and loose prompt-level accuracy, then per type the strict and loose
+    rates and the prompts of that type."""
     scored = [r for r in rows if "ifeval_types" in r]
     if not scored:
         return []
     types = sorted({t for r in scored for t in r["ifeval_types"]})
-    lines = ["", "## Instruction constraints (ifeval): strict rate per constraint type", "",
+    lines = ["", "## Instruction constraints (ifeval): strict / loose rate per constraint type", "",
              "| checkpoint | strict | loose [95% CI] | " + " | ".join(f"{t} (n)" for t in types) + " |",
              "|" + "---|" * (3 + len(types))]
     for r in scored:
         low, high = r["ifeval_loose_ci"]
         cells = [r["checkpoint"], f"{r['ifeval']:.3f}", f"{r['ifeval_loose']:.3f} [{low:.3f}, {high:.3f}]"]
-        cells += [f"{r['ifeval_types'][t]['strict']:.2f} ({r['ifeval_types'][t]['n']})" if t in r["ifeval_types"]
+        per_type = r["ifeval_types"]
+        cells += [f"{per_type[t]['strict']:.2f} / {per_type[t]['loose']:.2f} ({per_type[t]['n']})" if t in per_type
                   else "n/a" for t in types]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -141,3 +141,47 @@ def test_the_ifeval_suite_scores_strict_and_puts_loose_and_each_type_in_the_scor
     assert len(row["ifeval_replies"]) == 32  # kept, so a later rule can rescore them
     table = "\n".join(render_ifeval_types([row]))
     assert "| grpo | " in table and "punctuation:no_comma (n)" in table
+
+
+def test_constraints_survive_a_datasets_column_as_grpo_hands_them_to_the_reward():
+    # GRPOTrainer passes the `constraints` column of a datasets.Dataset: Arrow gives every row the union of all
+    # types' kwargs, None where absent; the reward reads that as the row's own kwargs
+    from datasets import Dataset
+
+    gsm8k = str(shared_path("data", "gsm8k", "train.jsonl"))
+    rows = constrained_rows("train", 48, 0, gsm8k, None)
+    column = Dataset.from_list(rows)["constraints"]
+    assert column[0][0]["id"] == rows[0]["constraints"][0]["id"] and None in column[0][0]["kwargs"].values()
+    replies = ["Four", "the answer is four.", "<<Four>>\n* one\n* two\nIs there anything else I can help with?"] * 16
+    assert instruction_strict(replies, constraints=column) == instruction_strict(
+        replies, constraints=[r["constraints"] for r in rows])
+
+
+def test_grpo_prompt_source_constraints_gives_the_train_split_and_refuses_max_calculations():
+    from types import SimpleNamespace
+
+    from posttrain.data.prompts import load_prompts
+
+    gsm8k = str(shared_path("data", "gsm8k", "train.jsonl"))
+    cfg = SimpleNamespace(source="constraints", path=gsm8k, n=40, dolly_path=None, types=None, max_calculations=None)
+    rows, record = load_prompts(cfg, 0)
+    assert rows == constrained_rows("train", 40, 0, gsm8k, None) and "constraints" in rows[0]
+    assert record["card"] == "data_cards/ifeval-constraints.md" and record["rows"] == 40
+    held_out = {r["base_id"] for r in constrained_rows("held_out", None, 0, gsm8k, None)}
+    assert not held_out & {r["base_id"] for r in rows}
+    with pytest.raises(ValueError, match="max_calculations"):
+        load_prompts(SimpleNamespace(**{**vars(cfg), "max_calculations": 2}), 0)
+
+
+def test_the_loose_score_is_paired_against_the_parent_and_each_type_shows_both_rates():
+    from posttrain.evaluation.comparisons import changes
+    from posttrain.evaluation.scorecard import render_ifeval_types
+
+    per_type = {"punctuation:no_comma": {"n": 2, "strict": 0.5, "loose": 1.0}}
+    base = {"checkpoint": "base", "ifeval": 0.0, "ifeval_scores": [0.0, 0.0], "ifeval_loose": 0.5,
+            "ifeval_loose_scores": [0.0, 1.0], "ifeval_loose_ci": (0.1, 0.9), "ifeval_types": per_type}
+    grpo = {**base, "checkpoint": "grpo", "parent": "base", "ifeval": 0.5, "ifeval_scores": [1.0, 0.0],
+            "ifeval_loose_scores": [1.0, 1.0]}
+    found = {c["key"]: c["diff"] for c in changes([base, grpo], ["ifeval"])}
+    assert found == {"ifeval": 0.5, "ifeval_loose": 0.5}
+    assert "| base | 0.000 | 0.500 [0.100, 0.900] | 0.50 / 1.00 (2) |" in render_ifeval_types([base, grpo])
