@@ -257,7 +257,6 @@ class IfevalSuiteCfg:
     gsm8k_path: str | None = None
     dolly_path: str | None = None
     types: list[str] | None = None
-    screen: ScreenCfg = field(default_factory=ScreenCfg)
     max_new_tokens: int = 128
 
 

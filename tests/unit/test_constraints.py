@@ -185,3 +185,15 @@ def test_the_loose_score_is_paired_against_the_parent_and_each_type_shows_both_r
     found = {c["key"]: c["diff"] for c in changes([base, grpo], ["ifeval"])}
     assert found == {"ifeval": 0.5, "ifeval_loose": 0.5}
     assert "| base | 0.000 | 0.500 [0.100, 0.900] | 0.50 / 1.00 (2) |" in render_ifeval_types([base, grpo])
+
+
+def test_pipeline_smollm2_ifeval_builds_its_ifeval_suite_from_the_recipe():
+    # every eval.ifeval field is an ifeval_suite argument: build_suites passes the section as keyword arguments
+    from posttrain.config import compose
+    from posttrain.evaluation.scorecard import build_suites
+
+    gsm8k = shared_path("data", "gsm8k", "train.jsonl")
+    dolly = shared_path("data", "dolly", "dolly_derived_alpaca_prompt_validation_151.jsonl")
+    cfg = compose(["pipeline=smollm2-ifeval", f"grpo.prompts.path={gsm8k}", f"grpo.prompts.dolly_path={dolly}"])
+    (suite,) = build_suites(cfg.eval, 0, ["ifeval"])
+    assert suite.name == "ifeval" and len(suite.rows) == 300 and suite.max_new_tokens == 128
