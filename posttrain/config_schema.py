@@ -125,9 +125,8 @@ class RewardModelCfg(StageCfg):
 
 @dataclass
 class ScreenCfg:
-    # a pass-rate screen before training: the parent model samples each prompt `samples` times on the engine (at
-    # grpo.trainer's temperature and max_completion_length), the recipe's rewards score them, and the prompts whose
-    # mean weighted reward lies in [keep[0], keep[1]] are kept (0 samples: no screen)
+    # a pass-rate screen before training: the parent samples each prompt `samples` times on the engine, the recipe's
+    # rewards score them, the prompts with a mean reward in [keep[0], keep[1]] stay (0 samples: no screen)
     samples: int = 0
     keep: list[float] = field(default_factory=lambda: [0.1, 0.9])
     batch: int = 64  # completions decoded together
@@ -172,8 +171,7 @@ class GrpoCfg(LanguageModelStageCfg):
     prompts: PromptsCfg = field(default_factory=PromptsCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
     sampling: SamplingCfg = field(default_factory=SamplingCfg)
-    # name in rewards.REWARDS -> weight; empty by default: a recipe's table is merged over it, so an entry would stay
-    rewards: dict[str, float] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)  # name in rewards.REWARDS -> weight (no default entry)
     reward_model: str | None = None  # an artifact dir or sequence-classification model for the reward_model reward
 
 

@@ -190,12 +190,14 @@ def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
 
 
 def screen_prompts(rows: list[dict], screen, model, tokenizer, funcs: dict[str, tuple], args,
-                   template_kwargs: dict) -> tuple[list[dict], dict]:
+                   template_kwargs: dict) -> tuple[list[dict], dict | None]:
     """Keep the prompts the parent model passes some of the time: each is sampled `screen.samples` times on the
     engine (grpo.trainer's temperature, top-p / top-k and max_completion_length), scored by the recipe's weighted
     rewards, and kept when the mean lies in `screen.keep`. A group of a prompt the model always or never solves has
     zero advantage; screening spends generation once, before training, instead of every step. Returns the rows kept
-    and the screen's record (each screened row's pass rate, in the manifest)."""
+    and the screen's record (each screened row's pass rate, in the manifest); with 0 samples, every row and None."""
+    if not screen.samples:
+        return rows, None
     lo, hi = screen.keep
     if training.world_size() > 1:
         raise ValueError("grpo.prompts.screen runs on one process (each would draw its own samples and keep other "
@@ -220,6 +222,7 @@ def screen_prompts(rows: list[dict], screen, model, tokenizer, funcs: dict[str, 
             totals[i] += weight * (score or 0.0)
     rates = [sum(totals[i * screen.samples:(i + 1) * screen.samples]) / screen.samples for i in range(len(rows))]
     kept = [r for r, rate in zip(rows, rates) if lo <= rate <= hi]
+    check_prompts_fill_a_step(len(kept), args, training.world_size())
     log.info("grpo: the screen kept %d of %d prompts with a pass rate in [%.2f, %.2f] (%d samples each, %.0f s); "
              "%d never passed, %d always did", len(kept), len(rows), lo, hi, screen.samples,
              time.perf_counter() - started, sum(r == 0 for r in rates), sum(r >= 1 for r in rates))
@@ -266,6 +269,14 @@ def load_step_prompts(cfg, args) -> tuple[list[dict], dict]:
     return rows, record
 
 
+def log_plan(cfg, args, location) -> None:
+    """The capacity planner's estimate for this GRPO step, in the log before the model loads."""
+    training.log_capacity_plan("grpo", location, method="lora" if cfg.grpo.lora is not None else "full",
+                               seq_len=(getattr(args, "max_prompt_length", None) or 512) + args.max_completion_length,
+                               micro_batch=args.per_device_train_batch_size,
+                               lora_rank=cfg.grpo.lora.get("r") if cfg.grpo.lora is not None else None)
+
+
 def main(cfg, run: StageRun) -> dict:
     import torch
     from datasets import Dataset
@@ -274,8 +285,9 @@ def main(cfg, run: StageRun) -> dict:
     # --- config ------------------------------------------------------------------------------------------------
     training.begin(run)
     args = training.trl_args("GRPOConfig", cfg.grpo.trainer, run, cfg.tracking, cfg.seed)
-    if cfg.grpo.chat_template_kwargs:
-        args.chat_template_kwargs = dict(cfg.grpo.chat_template_kwargs)
+    template_kwargs = dict(cfg.grpo.chat_template_kwargs or {})
+    if template_kwargs:
+        args.chat_template_kwargs = template_kwargs
     args.log_completions = args.log_completions or "wandb" in (args.report_to or [])
     backend = cfg.grpo.rollout.backend
     args.use_vllm = args.use_vllm or backend == "vllm"
@@ -283,21 +295,16 @@ def main(cfg, run: StageRun) -> dict:
     # --- model, prompts, rewards ---------------------------------------------------------------------------------
     location = model_location(cfg.model, run.parent)
     tokenizer = load_tokenizer(location)
-    training.log_capacity_plan("grpo", location, method="lora" if cfg.grpo.lora is not None else "full",
-                               seq_len=(getattr(args, "max_prompt_length", None) or 512) + args.max_completion_length,
-                               micro_batch=args.per_device_train_batch_size,
-                               lora_rank=cfg.grpo.lora.get("r") if cfg.grpo.lora is not None else None)
+    log_plan(cfg, args, location)
     torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     rows, record = load_step_prompts(cfg, args)
     record["check"] = startup_check("grpo", prompt_jobs(cfg.grpo.prompts, rows), tokenizer,
-                                    getattr(args, "max_prompt_length", None), dict(cfg.grpo.chat_template_kwargs or {}),
-                                    cfg.get("eval"), cfg.data.seed)
+                                    getattr(args, "max_prompt_length", None), template_kwargs, cfg.get("eval"),
+                                    cfg.data.seed)
     funcs = build_rewards(cfg, run)
-    if cfg.grpo.prompts.screen.samples:
-        rows, record["screen"] = screen_prompts(rows, cfg.grpo.prompts.screen, model, tokenizer, funcs, args,
-                                                dict(cfg.grpo.chat_template_kwargs or {}))
-        check_prompts_fill_a_step(len(rows), args, training.world_size())
+    rows, record["screen"] = screen_prompts(rows, cfg.grpo.prompts.screen, model, tokenizer, funcs, args,
+                                            template_kwargs)
     table_path = run.out_dir / COMPLETIONS
     resume = training.last_checkpoint(run)
     if training.is_main_process():
@@ -307,17 +314,17 @@ def main(cfg, run: StageRun) -> dict:
             log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
+    sampling = cfg.grpo.sampling
     log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s; dynamic sampling %s", len(rows),
              args.num_generations, {n: w for n, (_, w) in funcs.items()}, backend,
-             "off" if cfg.grpo.sampling.filter == "none" else
-             f"{cfg.grpo.sampling.filter} (up to {cfg.grpo.sampling.max_rounds} rounds a step)")
+             "off" if sampling.filter == "none" else f"{sampling.filter} (up to {sampling.max_rounds} rounds a step)")
     peft_config = training.lora_config(cfg.grpo.lora)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
     # TRL applies reward_weights itself; the table weights the same way for its own record.
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     rollout = engine_rollout(tokenizer) if backend == "posttrain" else None
-    trainer_cls = dynamic_sampling_trainer(GRPOTrainer, cfg.grpo.sampling)  # TRL's own with grpo.sampling.filter=none
+    trainer_cls = dynamic_sampling_trainer(GRPOTrainer, sampling)  # TRL's own GRPOTrainer with filter none
     trainer = trainer_cls(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
