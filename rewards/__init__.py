@@ -5,7 +5,7 @@ choose rewards by name through REWARDS, the one explicit name -> function table.
 """
 
 from rewards.code_verifier import code_verifier, code_verifier_strict
-from rewards.constraints import instruction_loose, instruction_strict
+from rewards.constraints import instruction_grounded, instruction_loose, instruction_strict
 from rewards.echo import echo_exact_match
 from rewards.refusal import answered, refusal
 from rewards.safety import tiny_safety_rule
@@ -17,6 +17,7 @@ REWARDS = {
     "code_verifier": code_verifier,
     "code_verifier_strict": code_verifier_strict,
     "echo_exact_match": echo_exact_match,
+    "instruction_grounded": instruction_grounded,
     "instruction_loose": instruction_loose,
     "instruction_strict": instruction_strict,
     "math_verifier": math_verifier,
@@ -32,6 +33,7 @@ __all__ = [
     "code_verifier",
     "code_verifier_strict",
     "echo_exact_match",
+    "instruction_grounded",
     "instruction_loose",
     "instruction_strict",
     "math_verifier",

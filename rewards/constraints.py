@@ -11,11 +11,23 @@ Not every IFEval type is supported here: `length_constraints:number_sentences` l
 run time, which these machines cannot; `language:response_language` is left out because the prompts are English
 and langdetect is unreliable on short replies; the combination types and `keywords:key_sentences` need the prompt
 or are disabled upstream.
+
+`instruction_grounded` also asks that the reply be about the prompt it was given: the IFEval checkers credit a stock
+"I'm ready to help. What's your question?" under a no-comma or lowercase constraint, and the instruction's own
+example copied ("* This is point 1.", "<<poem of joy>>") under a bullet or title constraint. SmolLM2-135M-Instruct
+found both within 24 GRPO steps on `instruction_strict` alone.
 """
 
 from __future__ import annotations
 
+import re
+
 from rewards.text import completion_text
+
+# a hand-written rule, since no maintained package scores "is this reply about its prompt" offline without a model
+MIN_SHARED_WORDS = 2  # distinct content words of the base prompt a grounded reply must use
+COPY_SPAN = 3  # words in a row of the instruction's own wording that a grounded reply must not repeat
+WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
 
 SUPPORTED = (
     "change_case:english_lowercase",
@@ -88,6 +100,35 @@ def check_reply(reply: str, constraints: list[dict]) -> list[dict]:
     return out
 
 
+def words(text: str) -> set[str]:
+    """The distinct lower-cased words and numbers of a text, thousands separators dropped ("1,200" -> "1200")."""
+    return set(WORD.findall(re.sub(r"(?<=\d),(?=\d)", "", text.lower())))
+
+
+def _spans(text: str) -> set[tuple[str, ...]]:
+    tokens = re.findall(r"[a-z0-9]+", text.lower())
+    return {tuple(tokens[i:i + COPY_SPAN]) for i in range(len(tokens) - COPY_SPAN + 1)}
+
+
+def copied_example(reply: str, constraint: dict) -> bool:
+    """Whether the reply repeats COPY_SPAN words in a row of the constraint's instruction text that its parameters
+    do not require (an end phrase or a postscript marker must be written out; "such as <<poem of joy>>" need not).
+
+    >>> title = {"id": "detectable_format:title", "kwargs": {}}
+    >>> copied_example("<<poem of joy>> Roses.", title), copied_example("<<Roses>> Roses are red.", title)
+    (True, False)
+    """
+    required = " ".join(str(v) for v in (constraint.get("kwargs") or {}).values() if v is not None)
+    return bool((_spans(reply) & _spans(describe(constraint))) - _spans(required))
+
+
+def grounded(reply: str, base_words: list[str], constraints: list[dict]) -> bool:
+    """Whether a reply uses at least MIN_SHARED_WORDS of its base prompt's content words (`base_words`, the row's
+    column: the words a reply that takes up the prompt would use) and copies none of its constraints' wording."""
+    return (len(words(reply) & set(base_words)) >= MIN_SHARED_WORDS
+            and not any(copied_example(reply, c) for c in constraints))
+
+
 def _score(completions, constraints, mode: str) -> list[float | None]:
     if constraints is None:
         return [None] * len(completions)
@@ -121,3 +162,22 @@ def instruction_loose(completions, constraints=None, **kwargs) -> list[float | N
     ([0.0], [1.0])
     """
     return _score(completions, constraints, "loose")
+
+
+def instruction_grounded(completions, constraints=None, base_words=None, **kwargs) -> list[float | None]:
+    """`instruction_strict`, credited only when the reply is also `grounded` in its base prompt; None for a row
+    without constraints. Rows need the `base_words` column (posttrain.data.constraints writes it).
+
+    >>> c = [{"id": "punctuation:no_comma", "kwargs": {}}]
+    >>> w = ["natalia", "clips", "april"]
+    >>> instruction_grounded(["Natalia sold 48 clips in April.", "I am ready to help. What is your question?"],
+    ...                      constraints=[c, c], base_words=[w, w])
+    [1.0, 0.0]
+    """
+    strict = _score(completions, constraints, "strict")
+    if constraints is None:
+        return strict
+    if base_words is None:
+        raise ValueError("instruction_grounded needs the rows' 'base_words' column (constrained prompts have it)")
+    return [s if not s else float(grounded(completion_text(c), w, row))
+            for s, c, w, row in zip(strict, completions, base_words, constraints, strict=True)]

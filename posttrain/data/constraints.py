@@ -9,6 +9,10 @@ The split, from `seed`, is disjoint twice over: the base prompts are split into 
 parameterised type's values are split too (keywords, forbidden words, end phrases, letters, postscript markers and
 every count), so no held-out row shares a prompt or a constraint parameter with a train row. The parameter-free
 types (lowercase, capitals, no commas, JSON, quotation, title) have nothing to split. `overlap` measures both.
+
+Each row also carries its base prompt's content words (`base_words`, for `rewards.constraints.instruction_grounded`):
+its numbers and its words of 3 or more letters that fewer than COMMON_SHARE of all base prompts use, so "what",
+"many" and "each" are left out and names, objects and quantities stay.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from posttrain.data.dolly import DataError, read_rows
 from posttrain.data.gsm8k import calculations
-from rewards.constraints import SUPPORTED, describe
+from rewards.constraints import SUPPORTED, describe, words
 
 HELD_OUT_BASES = 480  # base prompts held out (the ifeval suite reads the first n_prompts of them)
 MIN_CALCULATIONS = 3  # GSM8K questions the SmolLM2 recipes never train on
@@ -52,6 +56,7 @@ PARAMETERS: dict[str, tuple[list[dict], list[dict]]] = {
                                                       [{"num_highlights": 2}]),
     "detectable_content:postscript": ([{"postscript_marker": "P.S."}], [{"postscript_marker": "P.P.S"}]),
 }
+COMMON_SHARE = 0.05  # a word in this share of the base prompts or more is not a content word
 SPLITS = ("train", "held_out")
 RELATIONS = ("relation", "let_relation")
 
@@ -79,6 +84,17 @@ def base_prompts(gsm8k_path: str | None, dolly_path: str | None) -> list[dict]:
     return out
 
 
+def content_words(bases: list[dict]) -> dict[str, list[str]]:
+    """base id -> the sorted content words of that base prompt (the module docstring says which)."""
+    per_base = {b["id"]: words(b["text"]) for b in bases}
+    counts: dict[str, int] = {}
+    for ws in per_base.values():
+        for w in ws:
+            counts[w] = counts.get(w, 0) + 1
+    common = {w for w, c in counts.items() if c >= COMMON_SHARE * len(bases)}
+    return {bid: sorted(w for w in ws if w not in common and (len(w) >= 3 or w[0].isdigit())) for bid, ws in per_base.items()}
+
+
 def constraint_pool(cid: str, split: str) -> list[dict]:
     """The kwargs a constraint of type `cid` may take in `split` ([{}] for a parameter-free type)."""
     if cid not in PARAMETERS:
@@ -89,13 +105,14 @@ def constraint_pool(cid: str, split: str) -> list[dict]:
 def constrained_rows(split: str, n: int | None, seed: int, gsm8k_path: str | None, dolly_path: str | None,
                      types: list[str] | None = None) -> list[dict]:
     """The first `n` rows (all when None) of a split: each {"prompt": [one user turn], "constraints": [{"id",
-    "kwargs"}], "base_id", "type"}. The base-prompt split depends on `seed` only, not on `types` or `n`."""
+    "kwargs"}], "base_id", "type", "base_words"}. The base-prompt split depends on `seed` only, not on `types` or `n`."""
     if split not in SPLITS:
         raise ValueError(f"split '{split}' is not one of {SPLITS}")
     types = list(types or SUPPORTED)
     if unknown := [t for t in types if t not in SUPPORTED]:
         raise ValueError(f"constraint types {unknown} are not supported; supported: {', '.join(SUPPORTED)}")
     bases = base_prompts(gsm8k_path, dolly_path)
+    content = content_words(bases)
     random.Random(seed).shuffle(bases)
     if len(bases) <= 2 * HELD_OUT_BASES:
         raise DataError(f"{len(bases)} base prompts cannot give {HELD_OUT_BASES} held-out ones and as many to train")
@@ -111,7 +128,7 @@ def constrained_rows(split: str, n: int | None, seed: int, gsm8k_path: str | Non
         constraint = {"id": cid, "kwargs": rng.choice(constraint_pool(cid, split))}
         text = f"{base['text']}\n\n{describe(constraint)}"
         rows.append({"prompt": [{"role": "user", "content": text}], "constraints": [constraint],
-                     "base_id": base["id"], "type": cid})
+                     "base_id": base["id"], "type": cid, "base_words": content[base["id"]]})
     return rows
 
 

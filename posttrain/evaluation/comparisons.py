@@ -58,7 +58,7 @@ def render_judged(card: dict) -> list[str]:
 def changes(rows: list[dict], suites: list[str], seed: int = 0) -> list[dict]:
     """Each checkpoint against its parent checkpoint in the same scorecard (sft against base, grpo against sft, a
     quantized copy against what it quantized): per suite, the mean per-prompt change of the greedy score (and of
-    pass@1 where the suite samples, and of the loose score where it has one: ifeval's) with its paired-bootstrap 95%
+    pass@1 where the suite samples, and of the loose and grounded scores where it has them: ifeval's) with its paired-bootstrap 95%
     interval."""
     by_label = {r["checkpoint"]: r for r in rows}
     out = []
@@ -67,7 +67,7 @@ def changes(rows: list[dict], suites: list[str], seed: int = 0) -> list[dict]:
         if parent is None:
             continue
         for suite in suites:
-            for key in (suite, f"{suite}_pass@1", f"{suite}_loose"):
+            for key in (suite, f"{suite}_pass@1", f"{suite}_loose", f"{suite}_grounded"):
                 if f"{key}_scores" in row and f"{key}_scores" in parent:
                     change = paired_difference(parent[f"{key}_scores"], row[f"{key}_scores"], seed)
                     out.append({"checkpoint": row["checkpoint"], "parent": parent["checkpoint"], "key": key,

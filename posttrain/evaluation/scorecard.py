@@ -31,7 +31,7 @@ from posttrain.serve.server import background_server
 log = logging.getLogger("posttrain")
 HEADERS = {"safety": "safe replies", "over_refusal": "benign answered", "pku_saferlhf": "PKU safe replies",
            "hh_harmful": "HH harmful refused", "benign": "real benign answered", "ifeval": "ifeval strict",
-           "ifeval_loose": "ifeval loose"}  # what the suite's score is a rate of
+           "ifeval_loose": "ifeval loose", "ifeval_grounded": "ifeval grounded"}  # what the suite's score is a rate of
 
 
 def mean(scores: list[float | None]) -> tuple[float, int]:
@@ -324,18 +324,20 @@ def render_quantization(card: dict) -> list[str]:
 
 
 def render_ifeval_types(rows: list[dict]) -> list[str]:
-    """The ifeval suite per checkpoint: strict and loose prompt-level accuracy, then per type the strict and loose
-    rates and the prompts of that type."""
+    """The ifeval suite per checkpoint: strict, loose and grounded prompt-level accuracy, then per type the strict
+    and loose rates and the prompts of that type."""
     scored = [r for r in rows if "ifeval_types" in r]
     if not scored:
         return []
     types = sorted({t for r in scored for t in r["ifeval_types"]})
     lines = ["", "## Instruction constraints (ifeval): strict / loose rate per constraint type", "",
-             "| checkpoint | strict | loose [95% CI] | " + " | ".join(f"{t} (n)" for t in types) + " |",
-             "|" + "---|" * (3 + len(types))]
+             "| checkpoint | strict | loose [95% CI] | grounded [95% CI] | " + " | ".join(f"{t} (n)" for t in types)
+             + " |", "|" + "---|" * (4 + len(types))]
     for r in scored:
-        low, high = r["ifeval_loose_ci"]
-        cells = [r["checkpoint"], f"{r['ifeval']:.3f}", f"{r['ifeval_loose']:.3f} [{low:.3f}, {high:.3f}]"]
+        cells = [r["checkpoint"], f"{r['ifeval']:.3f}"]
+        for key in ("ifeval_loose", "ifeval_grounded"):  # a scorecard written before grounded existed has none
+            low, high = r.get(f"{key}_ci", (None, None))
+            cells.append(f"{r[key]:.3f} [{low:.3f}, {high:.3f}]" if key in r else "n/a")
         per_type = r["ifeval_types"]
         cells += [f"{per_type[t]['strict']:.2f} / {per_type[t]['loose']:.2f} ({per_type[t]['n']})" if t in per_type
                   else "n/a" for t in types]

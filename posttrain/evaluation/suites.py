@@ -199,15 +199,19 @@ def ifeval_suite(n: int, seed: int, split_seed: int = 0, gsm8k_path: str | None 
     base prompt and by every constraint parameter), scored by IFEval's strict rule: the suite's score is strict
     prompt-level accuracy. The scorecard adds the loose accuracy and a per-type breakdown (`ifeval_types`)."""
     rows = constrained_rows("held_out", n, split_seed, gsm8k_path, dolly_path, list(types) if types else None)
-    rows = [{"messages": r["prompt"], "constraints": r["constraints"], "type": r["type"]} for r in rows]
+    rows = [{"messages": r["prompt"], "constraints": r["constraints"], "type": r["type"], "base_words": r["base_words"]}
+            for r in rows]
     return Suite("ifeval", rows, REWARDS["instruction_strict"], ("constraints",), max_new_tokens=max_new_tokens,
                  keep_replies=True, details=ifeval_details)
 
 
 def ifeval_details(rows: list[dict], completions: list[str], seed: int) -> dict:
-    """Loose prompt-level accuracy (with its interval and per-prompt scores) and, per constraint type, the prompts,
-    strict and loose rates."""
+    """Loose and grounded prompt-level accuracy (each with its interval and per-prompt scores: grounded is strict
+    credited only where the reply takes up its prompt, `rewards.constraints.grounded`) and, per constraint type, the
+    prompts, strict and loose rates."""
     loose = REWARDS["instruction_loose"](completions, constraints=[r["constraints"] for r in rows])
+    grounded = REWARDS["instruction_grounded"](completions, constraints=[r["constraints"] for r in rows],
+                                               base_words=[r["base_words"] for r in rows])
     strict = REWARDS["instruction_strict"](completions, constraints=[r["constraints"] for r in rows])
     types: dict[str, dict] = {}
     for row, s, lo in zip(rows, strict, loose):
@@ -218,7 +222,9 @@ def ifeval_details(rows: list[dict], completions: list[str], seed: int) -> dict:
     for entry in types.values():
         entry["strict"], entry["loose"] = entry["strict"] / entry["n"], entry["loose"] / entry["n"]
     return {"ifeval_loose": sum(loose) / len(loose), "ifeval_loose_ci": mean_interval(loose, seed),
-            "ifeval_loose_scores": loose, "ifeval_types": dict(sorted(types.items()))}
+            "ifeval_loose_scores": loose, "ifeval_grounded": sum(grounded) / len(grounded),
+            "ifeval_grounded_ci": mean_interval(grounded, seed), "ifeval_grounded_scores": grounded,
+            "ifeval_types": dict(sorted(types.items()))}
 
 
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,

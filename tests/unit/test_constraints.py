@@ -9,7 +9,8 @@ import pytest
 from posttrain.data.constraints import PARAMETERS, constrained_rows, overlap
 from posttrain.data.dolly import DataError
 from rewards import REWARDS
-from rewards.constraints import SUPPORTED, check_reply, describe, instruction_loose, instruction_strict
+from rewards.constraints import (SUPPORTED, check_reply, copied_example, describe, grounded, instruction_grounded,
+                                 instruction_loose, instruction_strict)
 from tests.conftest import shared_path
 
 # type: (kwargs, a reply that meets it, one that does not, what an empty reply, the constraint's own text restated
@@ -199,7 +200,12 @@ def test_the_loose_score_is_paired_against_the_parent_and_each_type_shows_both_r
             "ifeval_loose_scores": [1.0, 1.0]}
     found = {c["key"]: c["diff"] for c in changes([base, grpo], ["ifeval"])}
     assert found == {"ifeval": 0.5, "ifeval_loose": 0.5}
-    assert "| base | 0.000 | 0.500 [0.100, 0.900] | 0.50 / 1.00 (2) |" in render_ifeval_types([base, grpo])
+    assert "| base | 0.000 | 0.500 [0.100, 0.900] | n/a | 0.50 / 1.00 (2) |" in render_ifeval_types([base, grpo])
+    base.update(ifeval_grounded=0.0, ifeval_grounded_scores=[0.0, 0.0], ifeval_grounded_ci=(0.0, 0.0))
+    grpo.update(ifeval_grounded=0.5, ifeval_grounded_scores=[0.0, 1.0], ifeval_grounded_ci=(0.0, 1.0))
+    assert {c["key"]: c["diff"] for c in changes([base, grpo], ["ifeval"])}["ifeval_grounded"] == 0.5
+    assert "| grpo | 0.500 | 0.500 [0.100, 0.900] | 0.500 [0.000, 1.000] |" in "\n".join(render_ifeval_types(
+        [base, grpo]))
 
 
 def test_pipeline_smollm2_ifeval_builds_its_ifeval_suite_from_the_recipe():
@@ -212,3 +218,50 @@ def test_pipeline_smollm2_ifeval_builds_its_ifeval_suite_from_the_recipe():
     cfg = compose(["pipeline=smollm2-ifeval", f"grpo.prompts.path={gsm8k}", f"grpo.prompts.dolly_path={dolly}"])
     (suite,) = build_suites(cfg.eval, 0, ["ifeval"])
     assert suite.name == "ifeval" and len(suite.rows) == 300 and suite.max_new_tokens == 128
+
+
+# the replies SmolLM2-135M-Instruct learned in 24 GRPO steps on instruction_strict alone (held-out evals of runs
+# ifv-s0 and ifv-s1 at 94463cf), each credited by IFEval's checker, and each about nothing the prompt asked
+GAMED = [
+    ("punctuation:no_comma", {}, "I'm ready to help. What's your question?"),
+    ("change_case:english_lowercase", {}, "i'm here to help you with that. i can help you with that."),
+    ("detectable_format:number_bullet_lists", {"num_bullets": 3}, "* This is point 1.\n* This is point 2.\n"
+                                                                 "* This is point 3."),
+    ("detectable_format:title", {}, "<<poem of joy>>\n\nThe art of sarcasm is a skill that can be learned."),
+    ("keywords:letter_frequency", {"letter": "o", "let_frequency": 8, "let_relation": "at least"},
+     "Oi, oi, oi, oi, oi, oi, oi, oi, oi, oi."),
+]
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
+            "many clips did Natalia sell altogether in April and May?")
+
+
+@pytest.mark.parametrize("cid, kwargs, reply", GAMED)
+def test_gamed_replies_meet_the_checker_but_are_not_grounded(cid, kwargs, reply):
+    from posttrain.data.constraints import content_words
+
+    constraint = [{"id": cid, "kwargs": kwargs}]
+    base_words = content_words([{"id": "q", "text": QUESTION}] + [{"id": f"o{i}", "text": "x"} for i in range(40)])
+    assert instruction_strict([reply], constraints=[constraint]) == [1.0]
+    assert instruction_grounded([reply], constraints=[constraint], base_words=[base_words["q"]]) == [0.0]
+
+
+def test_a_reply_that_answers_is_grounded_and_required_phrases_are_not_copying():
+    end = {"id": "startend:end_checker", "kwargs": {"end_phrase": "Is there anything else I can help with?"}}
+    answer = "Natalia sold 48 clips in April and 24 in May: 72 clips. Is there anything else I can help with?"
+    assert not copied_example(answer, end)  # the end phrase is written out, as the constraint requires
+    assert grounded(answer, ["natalia", "clips", "april", "48"], [end])
+    assert not grounded("Natalia did.", ["natalia", "clips", "april", "48"], [end])  # one shared word is not enough
+    title = {"id": "detectable_format:title", "kwargs": {}}
+    assert copied_example("<<poem of joy>> Natalia sold 72 clips.", title)
+    with pytest.raises(ValueError, match="base_words"):
+        instruction_grounded(["Four"], constraints=[[end]])
+
+
+def test_content_words_leave_out_what_many_base_prompts_use():
+    from posttrain.data.constraints import content_words
+
+    bases = [{"id": f"b{i}", "text": f"How many apples did Tom{chr(97 + i)} buy at 1,200 each?"} for i in range(30)]
+    bases.append({"id": "odd", "text": "How many clips did Natalia sell for 1,200 dollars?"})
+    found = content_words(bases)
+    assert found["odd"] == ["clips", "dollars", "for", "natalia", "sell"]  # how, many, did, 1200: in all of them
+    assert found["b0"] == ["toma"]
