@@ -267,6 +267,9 @@ IFEVAL_GRPO_CLAIMS: list[Claim] = [
           _ifeval("grpo"), _ifeval(None, 0.10)),
     Claim("real.grpo.ifeval_interval", "grpo - parent ifeval strict: paired 95% interval above 0",
           _change("grpo", "ifeval", "low"), _const(ABOVE)),
+    # strict credits a stock non-answer and a copied example; grounded credits only replies about their prompt
+    Claim("real.grpo.ifeval_grounded_interval", "grpo - parent ifeval grounded: paired 95% interval above 0",
+          _change("grpo", "ifeval_grounded", "low"), _const(ABOVE)),
     *(Claim(f"real.grpo.{suite}_steady_ifeval", f"grpo {suite} within 0.03 of its parent's",
             _moved_from_parent("grpo", suite), _const(0.03), at_most=True) for suite in ("gsm8k", *STEADY_SUITES)),
 ]

@@ -53,7 +53,7 @@ def test_smollm2_long_is_smollm2_with_longer_dpo_and_grpo_on_constraints():
     assert long.eval.ifeval == ifeval.eval.ifeval and long.eval.n_prompts.ifeval == 300
     assert config_mod.stage_view(long, "grpo") == config_mod.stage_view(ifeval, "grpo")
     assert (long.grpo.trainer.max_steps, long.grpo.trainer.num_generations) == (40, 8)
-    assert long.grpo.prompts.source == "constraints" and dict(long.grpo.rewards) == {"instruction_strict": 1.0}
+    assert long.grpo.prompts.source == "constraints" and dict(long.grpo.rewards) == {"instruction_grounded": 1.0}
     assert (long.dpo.pairs.n_train, long.dpo.trainer.max_steps, len(long.dpo.lora.target_modules)) == (800, 100, 7)
     assert long.dpo.pairs.n_eval == short.reward_model.pairs.n_eval  # DPO still holds out the judge's conversations
 

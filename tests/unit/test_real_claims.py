@@ -158,20 +158,24 @@ def test_grpo_reads_pass_at_1_when_the_gsm8k_suite_sampled_four_replies_a_proble
     assert verdicts(facts)["real.grpo.gsm8k_gain"].measured == pytest.approx(0.25)
 
 
-def ifeval_facts(grpo_strict: float = 0.42, low: float = 0.08, grpo_gsm8k: float = 0.05) -> RunFacts:
+def ifeval_facts(grpo_strict: float = 0.42, low: float = 0.08, grpo_gsm8k: float = 0.05,
+                 grounded_low: float = 0.02) -> RunFacts:
     """A GRPO-only run on constrained prompts from the instruct model (the base row is its parent)."""
     rows = [{**gsm8k_row("base", 0.05), "ifeval": 0.30, "ifeval_n": 300},
             {**gsm8k_row("grpo", grpo_gsm8k), "ifeval": grpo_strict, "ifeval_n": 300, "parent": "base"}]
     return RunFacts({r["checkpoint"]: r for r in rows}, None, [0.3] * 5 + [0.4] * 5,
                     changes=[{"checkpoint": "grpo", "parent": "base", "key": "ifeval", "diff": grpo_strict - 0.30,
-                              "low": low, "high": 0.2, "n": 300}],
+                              "low": low, "high": 0.2, "n": 300},
+                             {"checkpoint": "grpo", "parent": "base", "key": "ifeval_grounded", "diff": 0.06,
+                              "low": grounded_low, "high": 0.1, "n": 300}],
                     eval_config={"gsm8k": {"max_calculations": 2}}, stages={"grpo"}, grpo_prompts="constraints")
 
 
 def test_grpo_on_constraints_is_held_to_the_ifeval_claims_of_its_own_stage():
     facts = ifeval_facts()
     names = [c.name for c in claims_for(facts)]
-    assert names == ["real.grpo.ifeval_gain", "real.grpo.ifeval_interval", "real.grpo.gsm8k_steady_ifeval",
+    assert names == ["real.grpo.ifeval_gain", "real.grpo.ifeval_interval", "real.grpo.ifeval_grounded_interval",
+                     "real.grpo.gsm8k_steady_ifeval",
                      "real.grpo.hh_harmful_steady_ifeval", "real.grpo.benign_steady_ifeval"]
     assert [n for n, v in verdicts(facts).items() if not v.holds] == []
     # the GSM8K GRPO claims are a GSM8K run's: a chain that ran GRPO on GSM8K keeps them
@@ -182,9 +186,10 @@ def test_grpo_on_constraints_is_held_to_the_ifeval_claims_of_its_own_stage():
 @pytest.mark.parametrize("facts, failed", [
     (ifeval_facts(grpo_strict=0.39), "real.grpo.ifeval_gain"),  # +0.09
     (ifeval_facts(low=-0.01), "real.grpo.ifeval_interval"),
+    (ifeval_facts(grounded_low=0.0), "real.grpo.ifeval_grounded_interval"),  # strict rose on gamed replies
     (ifeval_facts(grpo_gsm8k=0.09), "real.grpo.gsm8k_steady_ifeval"),  # moved 0.04
 ])
-def test_the_ifeval_claims_fail_on_a_small_gain_a_wide_interval_or_a_moved_suite(facts, failed):
+def test_the_ifeval_claims_fail_on_a_small_gain_a_wide_interval_no_grounded_gain_or_a_moved_suite(facts, failed):
     assert [n for n, v in verdicts(facts).items() if not v.holds] == [failed]
 
 
