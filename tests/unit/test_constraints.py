@@ -171,6 +171,12 @@ def test_constraints_survive_a_datasets_column_as_grpo_hands_them_to_the_reward(
     replies = ["Four", "the answer is four.", "<<Four>>\n* one\n* two\nIs there anything else I can help with?"] * 16
     assert instruction_strict(replies, constraints=column) == instruction_strict(
         replies, constraints=[r["constraints"] for r in rows])
+    dataset = Dataset.from_list(rows)
+    answers = [f"{' '.join(r['base_words'][:3])}." for r in rows]  # three of the prompt's own content words
+    scores = instruction_grounded(answers, constraints=dataset["constraints"], base_words=dataset["base_words"])
+    assert scores == instruction_grounded(answers, constraints=[r["constraints"] for r in rows],
+                                          base_words=[r["base_words"] for r in rows])
+    assert 0 < sum(scores) <= sum(instruction_strict(answers, constraints=column))
 
 
 def test_grpo_prompt_source_constraints_gives_the_train_split_and_refuses_max_calculations():
