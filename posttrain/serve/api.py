@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP API over the engine: FastAPI routes, server-sent-event streams, Prometheus metrics.
 
     GET  /v1/models              the one model served
-    POST /v1/completions         text in, text out (stream=true: server-sent events)
+    POST /v1/completions         text in, text out (stream=true: server-sent events); `logprobs: k` and
+                                 `echo` as OpenAI and vLLM define them (lm-eval-harness's log-likelihood tasks)
     POST /v1/chat/completions    messages in, the chat template applied here; reasoning inside <think>...</think>
-                                 comes back as `reasoning_content`, <tool_call> blocks as `tool_calls`
+                                 comes back as `reasoning_content`, <tool_call> blocks as `tool_calls`;
+                                 `logprobs: true` with `top_logprobs: k`
+
+Log-probabilities are the model's own (the engine's forward pass, temperature 1, before logit_bias and the
+penalties: vLLM's default). A token's text is its own decoding; `text_offset` is the summed length of the token
+texts before it, counted from the start of the returned text (the prompt's, with echo).
     GET  /health                 200 while the engine process runs
     GET  /metrics                Prometheus text: time to first token, time between tokens, tokens generated,
                                  requests in flight, queue length, rows decoding
@@ -68,6 +74,19 @@ class Metrics:
             self.batch.observe(busy)
 
 
+class TokenText:
+    """Each token id's own text, decoded once per distinct id (a log-probability table names every token)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token: int) -> str:
+        text = self.cache.get(token)
+        if text is None:
+            text = self.cache[token] = self.tokenizer.decode([token])
+        return text
+
+
 @dataclass
 class Served:
     core: CoreClient  # the engine process (the Scheduler's interface)
@@ -77,6 +96,7 @@ class Served:
     api_key: str | None
     metrics: Metrics
     created: int
+    token_text: TokenText | None = None
 
 
 class Authorize:
@@ -101,7 +121,7 @@ class Authorize:
 def create_app(core: CoreClient, tokenizer, name: str, root: str = "", api_key: str | None = None):
     metrics = Metrics()
     core.on_step = metrics.on_step
-    served = Served(core, tokenizer, name, root, api_key, metrics, int(time.time()))
+    served = Served(core, tokenizer, name, root, api_key, metrics, int(time.time()), TokenText(tokenizer))
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -138,6 +158,7 @@ def create_app(core: CoreClient, tokenizer, name: str, root: str = "", api_key: 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = parse_body(CompletionRequest, await request.body())
+        body.check()
         check_model(served, body.model)
         prompts = completion_prompts(served, body.prompt)
         return await respond(served, request, body, prompts, chat=None, endpoint="/v1/completions")
@@ -145,6 +166,7 @@ def create_app(core: CoreClient, tokenizer, name: str, root: str = "", api_key: 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = parse_body(ChatRequest, await request.body())
+        body.check()
         check_model(served, body.model)
         text = render_chat(served, body)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -209,19 +231,29 @@ def sampling_params(served: Served, body: Sampling, chat: bool, prompts: list[li
     if longest >= max_len:
         raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {longest}.",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    max_tokens = getattr(body, "max_completion_tokens", None)
+    max_tokens = body.max_tokens if max_tokens is None else max_tokens
     if max_tokens is None:
         max_tokens = max_len - longest if chat else 16  # OpenAI's defaults: the rest of the context, or 16
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    echo = not chat and body.echo
+    if max_tokens < (0 if echo else 1):
+        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}", param="max_tokens")
     if longest + max_tokens > max_len:
         raise APIError(400, f"This model's maximum context length is {max_len} tokens; {longest} prompt tokens + "
                             f"max_tokens {max_tokens} exceed it.", param="max_tokens", code="context_length_exceeded")
     if body.n > 1 and body.temperature == 0:
         raise APIError(400, "n > 1 needs temperature > 0 (greedy choices would all be the same)", param="n")
+    if chat:
+        top, prompt_top = (body.top_logprobs or 0) if body.logprobs else None, None
+    else:
+        top = body.logprobs
+        # echo with max_tokens 0 and no logprobs still runs the prompt, its scores unread
+        prompt_top = (body.logprobs if body.logprobs is not None else 0 if max_tokens == 0 else None) if echo else None
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           seed=body.seed, stop=body.stops(), stop_token_ids=list(body.stop_token_ids or []),
-                          ignore_eos=body.ignore_eos)
+                          ignore_eos=body.ignore_eos, top_logprobs=top, prompt_logprobs=prompt_top,
+                          logit_bias=body.token_bias(served.core.info["vocab_size"]),
+                          frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
 
 
 def requests_for(served: Served, prompts, params: SamplingParams, n: int, on_event) -> list[Request]:
@@ -305,20 +337,71 @@ def usage(prompts, requests: list[Request]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def completion_logprobs(served: Served, ids: list[int], entries: list, offset: int = 0) -> dict:
+    """OpenAI's completions `logprobs` object for tokens `ids` and their (log-probability, top) entries (None for
+    a prompt's first token); offsets count from `offset`, the length of the token texts before these."""
+    texts = [served.token_text(t) for t in ids]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": [None if e is None else {served.token_text(t): lp for t, lp in e[1]} for e in entries],
+            "text_offset": offsets}
+
+
+def merge_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
+
+
+def chat_logprobs(served: Served, ids: list[int], entries: list) -> dict:
+    """OpenAI's chat `logprobs` object: per token its text, log-probability, UTF-8 bytes and the most likely."""
+    def item(token: int, logprob: float) -> dict:
+        text = served.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [dict(item(t, lp), top_logprobs=[item(u, v) for u, v in top])
+                        for t, (lp, top) in zip(ids, entries)], "refusal": None}
+
+
+def echo_text(served: Served, request: Request) -> str:
+    return served.tokenizer.decode(request.prompt)
+
+
+def scored_tokens(r: Request) -> list[int]:
+    """The generated tokens the log-probabilities cover: the text's, then the stop token that ended it."""
+    return r.tokens + ([r.stop_token] if r.stop_token is not None else [])
+
+
+def text_choice(served: Served, body, index: int, r: Request) -> dict:
+    """One /v1/completions choice: the completion (after the prompt, with echo) and its log-probabilities."""
+    text, logprobs = final_text(served, r), None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(served, scored_tokens(r), r.logprobs)
+    if body.echo:
+        text = echo_text(served, r) + text
+        if body.logprobs is not None:
+            prompt = completion_logprobs(served, r.prompt, r.prompt_logprobs)
+            logprobs = merge_logprobs(prompt, completion_logprobs(served, scored_tokens(r), r.logprobs,
+                                                                  sum(map(len, prompt["tokens"]))))
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason}
+
+
 def build_response(served: Served, body, prompts, requests: list[Request], chat) -> dict:
     check_failed(requests)
     rid, created = uuid.uuid4().hex, int(time.time())
     choices = []
     for index, r in enumerate(requests):
-        text = final_text(served, r)
         if chat is None:
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": r.finish_reason})
+            choices.append(text_choice(served, body, index, r))
             continue
         parser = ReplyParser(chat["thinking"], chat["tools"])
-        reasoning, content, calls = parser.finish(text)
+        reasoning, content, calls = parser.finish(final_text(served, r))
+        if not body.parallel_tool_calls:
+            calls = calls[:1]
         message = {"role": "assistant", "content": content if content or not calls else None,
                    "reasoning_content": reasoning or None, "tool_calls": calls or None}
         choices.append({"index": index, "message": message,
+                        "logprobs": chat_logprobs(served, scored_tokens(r), r.logprobs) if body.logprobs else None,
                         "finish_reason": "tool_calls" if calls else r.finish_reason})
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": served.name, "choices": choices, "usage": usage(prompts, requests)}
@@ -336,11 +419,42 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
     parsers = [ReplyParser(chat["thinking"], chat["tools"]) if chat else None for _ in requests]
     texts = [IncrementalText(served.tokenizer) for _ in requests]
 
-    def chunk(index: int, delta: dict | str, finish: str | None = None) -> str:
-        choice = ({"index": index, "delta": delta, "finish_reason": finish} if chat else
-                  {"index": index, "text": delta, "logprobs": None, "finish_reason": finish})
+    scored = body.logprobs if chat else body.logprobs is not None
+    reported = [0] * len(requests)  # tokens whose log-probabilities went out
+    offsets = [0] * len(requests)  # text_offset of the next token
+    echoed = [not (not chat and body.echo)] * len(requests)
+
+    def new_logprobs(index: int) -> dict | None:
+        """The log-probabilities of the tokens that arrived since the last chunk of this choice."""
+        if not scored:
+            return None
+        r, start = requests[index], reported[index]
+        reported[index] = len(r.logprobs)
+        ids, entries = scored_tokens(r)[start:reported[index]], r.logprobs[start:reported[index]]
+        if chat:
+            return chat_logprobs(served, ids, entries)
+        out = completion_logprobs(served, ids, entries, offsets[index])
+        offsets[index] += sum(map(len, out["tokens"]))
+        return out
+
+    def chunk(index: int, delta: dict | str, finish: str | None = None, logprobs: dict | None = None) -> str:
+        if chat:
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            if scored:
+                choice["logprobs"] = logprobs
+        else:
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": served.name,
                                       "choices": [choice]}) + "\n\n"
+
+    def echo_chunk(index: int) -> str:
+        """The prompt (and its log-probabilities), ahead of a choice's first token: echo on /v1/completions."""
+        echoed[index] = True
+        r, logprobs = requests[index], None
+        if scored:
+            logprobs = completion_logprobs(served, r.prompt, r.prompt_logprobs)
+            offsets[index] = sum(map(len, logprobs["tokens"]))
+        return chunk(index, echo_text(served, r), logprobs=logprobs)
 
     def chat_delta(reasoning: str, content: str) -> dict:
         delta = {}
@@ -360,16 +474,18 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
         while remaining:
             index, event = await queue.get()
             r = requests[index]
+            if not echoed[index] and r.finish_reason != "error":
+                yield echo_chunk(index)
             if event == "token":
                 text = texts[index].update(r.tokens)
                 if chat:
                     delta = chat_delta(*parsers[index].feed(text[: len(text) - hold] if hold else text))
                     if delta:
-                        yield chunk(index, delta)
+                        yield chunk(index, delta, logprobs=new_logprobs(index))
                 else:
                     upto = len(text) - hold
                     if upto > sent[index]:
-                        yield chunk(index, text[sent[index]:upto])
+                        yield chunk(index, text[sent[index]:upto], logprobs=new_logprobs(index))
                         sent[index] = upto
                 continue
             remaining -= 1
@@ -380,12 +496,14 @@ async def stream_events(served: Served, http_request, body, prompts, params, cha
             text = final_text(served, r)
             if chat:
                 reasoning, content, calls = parsers[index].finish(text)
+                if not body.parallel_tool_calls:
+                    calls = calls[:1]
                 delta = chat_delta(reasoning, content)
                 if calls:
                     delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(calls)]
-                yield chunk(index, delta, "tool_calls" if calls else r.finish_reason)
+                yield chunk(index, delta, "tool_calls" if calls else r.finish_reason, new_logprobs(index))
             else:
-                yield chunk(index, text[sent[index]:], r.finish_reason)
+                yield chunk(index, text[sent[index]:], r.finish_reason, new_logprobs(index))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": served.name,
                                          "choices": [], "usage": usage(prompts, requests)}) + "\n\n"

@@ -14,7 +14,9 @@ The pipe carries pickled tuples:
     front -> core   ("submit", id, prompt, params) | ("cancel", id) | ("close",)
     core -> front   ("ready", info) once the model is loaded, or ("failed", message)
                     ("step", events, rows busy, requests waiting) after each engine turn that did something,
-                    events being (id, token) for a token and (id, None, finish reason, stop text, error) for a finish
+                    events being ("token", id, token, log-probabilities or None), ("prompt", id, the prompt's
+                    log-probabilities) before the first token of a request that asked for them, and
+                    ("finish", id, finish reason, stop text, error, stop token, its log-probabilities or None)
 One message per engine step, not per token. The core is a child of the front end: it exits when the pipe closes.
 """
 
@@ -104,11 +106,24 @@ def run_core(opts: ServeCfg, weights: str, conn) -> None:
     outbox: list[tuple] = []  # the events of the engine turn under way (appended on the engine thread)
     requests: dict[int, Request] = {}  # running or waiting, by id
 
+    prompts_sent: set[int] = set()
+
+    def prompt_scores(request: Request) -> None:
+        if request.prompt_logprobs is not None and request.id not in prompts_sent:
+            prompts_sent.add(request.id)
+            outbox.append(("prompt", request.id, request.prompt_logprobs))
+
     def on_token(request: Request) -> None:
-        outbox.append((request.id, request.tokens[-1]))
+        prompt_scores(request)
+        entry = request.logprobs[-1] if request.params.top_logprobs is not None and request.logprobs else None
+        outbox.append(("token", request.id, request.tokens[-1], entry))
 
     def on_finish(request: Request) -> None:
-        outbox.append((request.id, None, request.finish_reason, request.stop_text, request.error))
+        prompt_scores(request)
+        prompts_sent.discard(request.id)
+        entry = request.logprobs[-1] if request.stop_token is not None and request.logprobs else None
+        outbox.append(("finish", request.id, request.finish_reason, request.stop_text, request.error,
+                       request.stop_token, entry))
         requests.pop(request.id, None)
 
     def on_step(busy: int, waiting: int) -> None:
@@ -145,7 +160,7 @@ def run_core(opts: ServeCfg, weights: str, conn) -> None:
                 scheduler.submit(request)
             except (ValueError, RuntimeError) as err:  # the front end checked it; a shutdown under way remains
                 requests.pop(rid, None)
-                send(("step", [(rid, None, "error", None, str(err))], 0, 0))
+                send(("step", [("finish", rid, "error", None, str(err), None, None)], 0, 0))
     finally:
         scheduler.close()
         if outbox:
@@ -249,18 +264,26 @@ class CoreClient:
             except (EOFError, OSError):
                 break
             now = time.perf_counter()
-            for event in events:
-                request = self.pending.get(event[0])
+            for kind, rid, *payload in events:
+                request = self.pending.get(rid)
                 if request is None:
                     continue
-                if event[1] is not None:
-                    request.tokens.append(event[1])
+                if kind == "prompt":
+                    request.prompt_logprobs = payload[0]
+                    continue
+                if kind == "token":
+                    token, entry = payload
+                    request.tokens.append(token)
+                    if entry is not None:
+                        request.logprobs.append(entry)
                     request.first_token_at = request.first_token_at or now
                     request.last_token_at = now
                     callback = request.on_token
                 else:
-                    request.finish_reason, request.stop_text, request.error = event[2:]
-                    del self.pending[event[0]]
+                    request.finish_reason, request.stop_text, request.error, request.stop_token, entry = payload
+                    if entry is not None:
+                        request.logprobs.append(entry)
+                    del self.pending[rid]
                     callback = request.on_finish
                 if callback is not None:
                     try:

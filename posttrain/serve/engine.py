@@ -37,10 +37,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # record each chosen token's log-probability (of the logits divided by the temperature)
+    # the server's log-probabilities (OpenAI's `logprobs`), of the model's own distribution (temperature 1, before
+    # logit_bias and the penalties, as vLLM reports them): None reports none; k >= 0 each generated token's and
+    # the k most likely; prompt_logprobs the same for the prompt's tokens (`echo`)
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
+    frequency_penalty: float = 0.0  # minus this times each token's count in the completion so far
+    presence_penalty: float = 0.0  # minus this for each token the completion already holds
 
     def check(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 only to score the prompt), got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -65,6 +73,32 @@ class Completion:
     def tbt_s(self) -> float | None:
         """Mean time between tokens after the first."""
         return self.decode_s / (len(self.token_ids) - 1) if len(self.token_ids) > 1 else None
+
+
+def adjusted(logits: torch.Tensor, params: SamplingParams, tokens: list[int]) -> torch.Tensor:
+    """logits [vocab] with the request's logit_bias added and OpenAI's frequency and presence penalties taken off
+    the tokens the completion already holds (the same logits when it asks for none of them)."""
+    if not (params.logit_bias or params.frequency_penalty or params.presence_penalty):
+        return logits
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
+    if tokens and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.tensor(tokens, device=logits.device).unique(return_counts=True)
+        logits[ids] -= counts.float() * params.frequency_penalty + params.presence_penalty
+    return logits
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For rows of logits [N, vocab] and the token each row chose [N]: (the chosen token's log-probability, the k
+    most likely tokens with theirs), from the log-softmax of the logits as they are."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in picked]
+    values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(picked, ids.tolist(), values.tolist())]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -167,15 +201,25 @@ class Engine:
 
     # ---- the steps ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], rows: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], rows: torch.Tensor | None = None,
+                every_position: bool = False) -> torch.Tensor:
         """Run the prompts (into cache rows `rows`, default 0..B-1) and return the logits of each one's last
-        token: [B, vocab]."""
+        token: [B, vocab]; every_position: of every position, [B, S, vocab] (the prompt's own log-probabilities)."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
         padded = [p + [0] * (width - len(p)) for p in prompts]  # right padding; the mask never reads it
         tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
         pos = torch.arange(width, device=self.device).expand(len(prompts), width)
-        return self.model(tokens, pos, slice(0, len(prompts)) if rows is None else rows, width, last=lengths - 1)
+        return self.model(tokens, pos, slice(0, len(prompts)) if rows is None else rows, width,
+                          last=None if every_position else lengths - 1)
+
+    def prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, k: int) -> list:
+        """The prompt's tokens scored by the logits of the positions before them ([S, vocab] from
+        `prefill(every_position=True)`): None for the first token (nothing precedes it), then `top_logprobs`."""
+        if len(prompt) < 2:
+            return [None]
+        chosen = torch.tensor(prompt[1:], device=logits.device)
+        return [None] + top_logprobs(logits[: len(prompt) - 1], chosen, k)
 
     @torch.inference_mode()
     def decode_one_token(self, tokens: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -194,6 +238,10 @@ class Engine:
             raise ValueError(f"{len(per_prompt)} sampling params for {len(ids)} prompts")
         for i, (prompt, p) in enumerate(zip(ids, per_prompt)):
             p.check()
+            if p.top_logprobs is not None or p.prompt_logprobs is not None or p.logit_bias or p.frequency_penalty \
+                    or p.presence_penalty:
+                raise ValueError("Engine.generate applies neither logit_bias, the penalties nor the server's "
+                                 "log-probabilities; the server's scheduler (serve.scheduler) does")
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             if len(prompt) + p.max_tokens > self.max_len:

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from posttrain.serve.engine import Engine, SamplingParams, accept_token, greedy_tokens, sample
+from posttrain.serve.engine import (Engine, SamplingParams, accept_token, adjusted, greedy_tokens, sample,
+                                    top_logprobs)
 
 log = logging.getLogger("posttrain")
 
@@ -45,6 +46,13 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: str | None = None
     stop_text: str | None = None  # the text cut before a stop string, when one ended the request
+    # with params.top_logprobs: one (log-probability, [(token, log-probability)] of the most likely) per token
+    logprobs: list = field(default_factory=list)
+    # with params.prompt_logprobs: the same per prompt token, None for the first (set before the first token)
+    prompt_logprobs: list | None = None
+    # the end-of-sequence or stop token that ended the request (not in `tokens`, not in the text); with
+    # params.top_logprobs its entry ends `logprobs`, as vLLM and OpenAI report it (lm-eval reads up to it)
+    stop_token: int | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -164,9 +172,21 @@ class Scheduler:
                     request.generator = torch.Generator(device=self.engine.device).manual_seed(request.params.seed)
                 self.busy[row] = request
             self.engine.reserve(max(len(q.prompt) + q.params.max_tokens for q in batch), keep=True)
-            rows = torch.tensor([q.row for q in batch], device=self.engine.device)
-            logits = self.engine.prefill([q.prompt for q in batch], rows=rows)
-            self._accept(batch, logits)
+            scored = [q for q in batch if q.params.prompt_logprobs is not None]
+            batch = [q for q in batch if q.params.prompt_logprobs is None]
+            for request in scored:  # one at a time: the logits of every prompt position are [S, vocab]
+                rows = torch.tensor([request.row], device=self.engine.device)
+                logits = self.engine.prefill([request.prompt], rows=rows, every_position=True)[0]
+                request.prompt_logprobs = self.engine.prompt_logprobs(request.prompt, logits,
+                                                                      request.params.prompt_logprobs)
+                if request.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                    self._finish(request, "length")
+                else:
+                    self._accept([request], logits[len(request.prompt) - 1][None])
+            if batch:
+                rows = torch.tensor([q.row for q in batch], device=self.engine.device)
+                logits = self.engine.prefill([q.prompt for q in batch], rows=rows)
+                self._accept(batch, logits)
 
     def _decode(self) -> None:
         high = max(self.busy) + 1
@@ -186,15 +206,34 @@ class Scheduler:
     def _accept(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Pick each request's next token from its logits row (greedy rows in one argmax) and append it."""
         greedy = greedy_tokens(logits)
-        now = time.perf_counter()
+        chosen = []
         for i, request in enumerate(requests):
             p = request.params
-            token = greedy[i] if p.temperature == 0 else sample(logits[i], p, request.generator)
+            raw = logits[i]
+            row = adjusted(raw, p, request.tokens)
+            if p.temperature == 0:
+                chosen.append(greedy[i] if row is raw else int(row.argmax()))
+            else:
+                chosen.append(sample(row, p, request.generator))
+        scored = [i for i, r in enumerate(requests) if r.params.top_logprobs is not None]
+        entries = {}
+        if scored:  # one log-softmax over the rows that report log-probabilities, the most any of them asks for
+            k = max(requests[i].params.top_logprobs for i in scored)
+            picked = torch.tensor([chosen[i] for i in scored], device=logits.device)
+            for i, (lp, top) in zip(scored, top_logprobs(logits[scored], picked, k)):
+                entries[i] = (lp, top[: requests[i].params.top_logprobs])
+        now = time.perf_counter()
+        for i, request in enumerate(requests):
+            p, token = request.params, chosen[i]
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
             before = len(request.tokens)
             reason, cut = accept_token(token, request.tokens, p, self.engine.eos_ids, self.engine._text)
+            if reason == "stop" and cut is None and len(request.tokens) == before:
+                request.stop_token = token
+            if i in entries and (len(request.tokens) > before or request.stop_token is not None):
+                request.logprobs.append(entries[i])
             if len(request.tokens) > before:
                 request.first_token_at = request.first_token_at or now
                 request.last_token_at = now
