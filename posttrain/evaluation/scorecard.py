@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from posttrain.artifacts import manifest_sha256, now, read_manifest, verify_artifact, weight_files, write_json_atomic
 from posttrain.config_schema import ServeCfg
+from posttrain.evaluation import harness
 from posttrain.evaluation.client import CheckpointProgress, chat_replies, latency_probe
 from posttrain.evaluation.comparisons import changes, judged, render_changes, render_judged
 from posttrain.evaluation.earlier import earlier_rows, row_stage_dir, with_earlier_rows
@@ -122,6 +123,10 @@ def score_model(row: dict, model_dir: Path, suites, eval_cfg, serve_cfg, seed: i
                                            samples=suite.samples, temperature=suite.temperature, seed=seed,
                                            desc=f"{label}/{suite.name} sampled", **ask)
                     record_sampled(row, suite, sampled, seed)
+            if getattr(eval_cfg, "lm_eval", None) is not None and eval_cfg.lm_eval.tasks:
+                progress.stage("lm-eval")
+                row["lm_eval"] = harness.run_tasks(server.base_url, key, server.name, str(model_dir),
+                                                   eval_cfg.lm_eval, seed)
             if eval_cfg.latency.requests:
                 progress.stage("latency")
                 probe = suites[0].rows[0]["messages"] if suites else [{"role": "user", "content": "Hello"}]
@@ -225,6 +230,8 @@ def recordable(eval_cfg) -> dict | None:
 
 def write_scorecard(run_dir: Path, stage_dirs: list[Path], eval_cfg, serve_cfg, seed: int) -> dict:
     suites = build_suites(eval_cfg, seed)
+    if getattr(eval_cfg, "lm_eval", None) is not None:
+        harness.require_lm_eval(eval_cfg.lm_eval)
     generators = [d for d in stage_dirs if is_generator((read_manifest(d) or {}).get("stage", ""))]
     if generators and serve_cfg.backend != "vllm":
         check_context(suites, generators[0] / "model", eval_cfg, serve_cfg)
@@ -385,6 +392,7 @@ def render_markdown(card: dict) -> str:
     if {"hh_harmful", "benign"} & set(card["suites"]):
         lines += ["", REFUSAL_NOTE]
     lines += render_ifeval_types(rows)
+    lines += harness.render(rows)
     lines += render_changes(card, HEADERS)
     lines += render_judged(card)
     if card.get("quantization"):

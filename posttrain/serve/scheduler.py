@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from posttrain.serve.engine import (Engine, SamplingParams, accept_token, adjusted, greedy_tokens, sample,
-                                    top_logprobs)
+from posttrain.serve.engine import Engine
+from posttrain.serve.sampling import SamplingParams, accept_token, adjusted, greedy_tokens, sample, top_logprobs
 
 log = logging.getLogger("posttrain")
 

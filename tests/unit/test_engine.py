@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.serve.engine import Engine, SamplingParams, load_engine, model_from_hf, sample
+from posttrain.serve.engine import Engine, SamplingParams, load_engine, model_from_hf
+from posttrain.serve.sampling import sample
 
 VOCAB = 160
 

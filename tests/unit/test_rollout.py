@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.serve.engine import SamplingParams, sample_rows
+from posttrain.serve.sampling import SamplingParams, sample_rows
 from posttrain.serve.rollout import EngineRollout, engine_state
 from tests.unit.test_engine import VOCAB, tiny_hf
 

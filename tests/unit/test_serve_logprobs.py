@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from posttrain.serve.engine import Engine, SamplingParams, adjusted, model_from_hf
+from posttrain.serve.engine import Engine, model_from_hf
+from posttrain.serve.sampling import SamplingParams, adjusted
 from posttrain.serve.scheduler import Request, Scheduler
 from tests.unit.test_engine import tiny_hf
 
