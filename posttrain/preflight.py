@@ -2,8 +2,8 @@
 fail in the third stage fails now, in one line: the model can be loaded (a local directory, or a hub id in the
 cache when offline), every training stage's trainer block builds its TRL config object, every GRPO reward
 name exists, no stage asks for both LoRA and train_top_layers, nothing asks for what the launcher's strategy
-cannot do (QLoRA or engine roll-outs on sharded weights), and every quantize variant's group size divides the
-widths of the layers it will quantize.
+cannot do (QLoRA or engine roll-outs on sharded weights), every quantize variant's group size divides the
+widths of the layers it will quantize, and the ifeval suite holds out the constrained prompts GRPO trains without.
 `posttrain run --dry-run` runs these checks and stops.
 
 Recipe keys and value types are checked earlier still, when the recipe is composed (posttrain.config).
@@ -47,6 +47,8 @@ def preflight(cfg, stages: list[str]) -> list[str]:
     if "grpo" in stages:
         check_rewards(cfg)
         checked.append(f"grpo.rewards ({', '.join(cfg.grpo.rewards)})")
+        if check_constraint_split(cfg):
+            checked.append("eval.ifeval holds out what grpo.prompts trains on")
     if cfg.pipeline.launcher != "single":
         checked.append(f"launcher {cfg.pipeline.launcher} ({check_launcher(cfg, stages)})")
     if cfg.pipeline.gpus and cfg.pipeline.gpu_mem_gb:
@@ -155,6 +157,23 @@ def check_capacity(cfg) -> str:
                           f"{cfg.pipeline.gpus} x {cfg.pipeline.gpu_mem_gb:g} GB (GB per GPU; * the launcher's):\n"
                           f"{shown}")
     return f"capacity on {cfg.pipeline.gpus} x {cfg.pipeline.gpu_mem_gb:g} GB (GB per GPU; * the launcher's):\n{shown}"
+
+
+def check_constraint_split(cfg) -> bool:
+    """GRPO on constrained prompts scored by the ifeval suite: both must split the same base prompts with the same
+    seed, or the suite's held-out prompts are not the ones training left out (a prompt trained on could be scored).
+    Returns whether the check applied."""
+    if cfg.grpo.prompts.source != "constraints" or "ifeval" not in (cfg.eval.suites or []):
+        return False
+    pairs = [("eval.ifeval.split_seed", cfg.eval.ifeval.split_seed, "data.seed", cfg.data.seed),
+             ("eval.ifeval.gsm8k_path", cfg.eval.ifeval.gsm8k_path, "grpo.prompts.path", cfg.grpo.prompts.path),
+             ("eval.ifeval.dolly_path", cfg.eval.ifeval.dolly_path, "grpo.prompts.dolly_path",
+              cfg.grpo.prompts.dolly_path)]
+    for key, value, other, expected in pairs:
+        if value != expected:
+            raise RecipeError(f"{key} is {value!r} but {other} is {expected!r}: the ifeval suite's held-out prompts "
+                              f"must come from the split GRPO trains on (set {key}: ${{{other}}})")
+    return True
 
 
 def check_rewards(cfg) -> None:

@@ -95,3 +95,16 @@ def test_a_launcher_that_does_not_fit_the_recipes_machine_fails_before_the_first
         check_capacity(cfg)
     shown = check_capacity(compose(["pipeline=qwen3-8b", f"model.name_or_path={config}"]))
     assert "capacity on 8 x 80 GB" in shown and "ZeRO-3: fits" in shown and "DOES NOT FIT" not in shown
+
+
+def test_an_ifeval_split_other_than_grpos_fails_before_the_first_stage():
+    from posttrain.preflight import check_constraint_split
+
+    assert check_constraint_split(compose(["pipeline=smollm2-ifeval"]))  # the recipe ties them together
+    assert check_constraint_split(compose(["pipeline=smollm2-ifeval", "seed=3"]))
+    with pytest.raises(RecipeError, match=r"eval.ifeval.split_seed is 5 but data.seed is 0: the ifeval suite's "
+                                          r"held-out prompts must come from the split GRPO trains on"):
+        check_constraint_split(compose(["pipeline=smollm2-ifeval", "eval.ifeval.split_seed=5"]))
+    with pytest.raises(RecipeError, match="eval.ifeval.dolly_path"):
+        check_constraint_split(compose(["pipeline=smollm2-ifeval", "eval.ifeval.dolly_path=other.jsonl"]))
+    assert not check_constraint_split(compose(["pipeline=tiny"]))  # no constrained prompts: nothing to tie
