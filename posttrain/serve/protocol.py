@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI allows 5 on completions, 20 on chat; vLLM 20)
@@ -135,9 +135,43 @@ class Message(Strict):
         return out
 
 
+class Parameters(BaseModel):
+    """A function's parameters: a JSON Schema object. Only its shape is checked here (the server has no JSON Schema
+    library and does not constrain decoding to it); its other keywords pass through to the chat template."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["object"]
+    properties: dict[str, dict[str, Any]] | None = None
+    required: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _required_are_properties(self):
+        unknown = sorted(set(self.required or []) - set(self.properties or {}))
+        if unknown:
+            raise ValueError(f"required names {unknown}, which are not among its properties")
+        return self
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: Parameters | None = None
+    strict: Literal[False] | None = None  # true asks for arguments constrained to the schema, which the engine lacks
+
+
 class Tool(Strict):
     type: Literal["function"] = "function"
-    function: dict[str, Any]
+    function: dict[str, Any]  # as sent (the chat template renders it), once FunctionDef accepts it
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, value: dict) -> dict:
+        try:
+            FunctionDef.model_validate(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{where or 'function'}: {first['msg']}") from None
+        return value
 
 
 class ChatRequest(Sampling):

@@ -353,3 +353,23 @@ def test_values_the_server_does_not_implement_get_a_400_naming_them(server, endp
     reply = httpx.post(f"{server}/{endpoint}", json={**base, **change}, timeout=60,
                        headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
+@pytest.mark.parametrize("tool, says", [
+    ({"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}}, "name"),
+    ({"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}, "parameters.type"),
+    ({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {}},
+                                                                   "required": ["b"]}}}, "required names ['b']"),
+    ({"type": "function", "function": {"name": "f", "strict": True}}, "strict"),
+    ({"type": "function", "function": {"name": "f", "parametrs": {}}}, "parametrs"),
+    ({"type": "function", "function": {"description": "no name"}}, "name"),
+    ({"type": "code_interpreter"}, "type"),
+])
+def test_an_invalid_tools_schema_gets_a_400_naming_the_field(server, tool, says):
+    import httpx
+
+    body = {"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    reply = httpx.post(f"{server}/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"].startswith("tools.0"), reply.text
+    assert says in error["message"], error["message"]
