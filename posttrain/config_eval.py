@@ -83,6 +83,7 @@ class EvalCfg:
     latency: LatencyCfg = field(default_factory=LatencyCfg)
     pku_saferlhf: PkuSuiteCfg = field(default_factory=lambda: PkuSuiteCfg())
     gsm8k: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # openai/gsm8k test, scored by the math verifier
+    gsm8k_tools: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # the same, through the calculator tool loop
     math500: MathSuiteCfg = field(default_factory=MathSuiteCfg)  # HuggingFaceH4/MATH-500, scored by the math verifier
     hh_harmful: HhSuiteCfg = field(default_factory=HhSuiteCfg)  # held-out HH-RLHF harmful requests: refusal rate
     benign: BenignSuiteCfg = field(default_factory=BenignSuiteCfg)  # held-out Dolly rows and GSM8K: answered rate

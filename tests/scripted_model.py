@@ -13,6 +13,24 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
+def calculator_script() -> list:
+    """Two calculator round trips, then the answer: (2 + 3) * 4 as a tool-using model would work it out."""
+    from posttrain.tools.calculator import SCHEMA
+
+    def call(k: int, expression: str) -> dict:
+        return {"id": f"call_{k}", "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": expression}}}
+
+    user = [{"role": "user", "content": "What is (2 + 3) * 4?"}]
+    first = {"role": "assistant", "content": "", "tool_calls": [call(0, "2 + 3")]}
+    second = {"role": "assistant", "content": "", "tool_calls": [call(1, "5 * 4")]}
+    after_first = user + [first, {"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    after_second = after_first + [second, {"role": "tool", "tool_call_id": "call_1", "content": "20"}]
+    options = {"tools": [SCHEMA]}
+    return [(user, first, options), (after_first, second, options),
+            (after_second, {"role": "assistant", "content": "The answer is 20."}, options)]
+
+
 SCRIPT = [  # (prompt messages, the assistant turn it must produce, template options)
     ([{"role": "user", "content": "Say hello."}], {"role": "assistant", "content": "Hello there, friend."}, {}),
     ([{"role": "user", "content": "What is 2 plus 3?"}],
@@ -21,6 +39,7 @@ SCRIPT = [  # (prompt messages, the assistant turn it must produce, template opt
      {"role": "assistant", "content": "",
       "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
      {"tools": [WEATHER_TOOL]}),
+    *calculator_script(),
 ]
 
 

@@ -22,7 +22,8 @@ from posttrain.evaluation.comparisons import changes, judged, render_changes, re
 from posttrain.evaluation.earlier import earlier_rows, row_stage_dir, with_earlier_rows
 from posttrain.evaluation.provenance import base_model, render_base_model
 from posttrain.evaluation.stats import mean_interval
-from posttrain.evaluation.suites import build_suite
+from posttrain.evaluation.tool_loop import tool_figures, tool_loop_replies
+from posttrain.evaluation.suites import build_suite, render_ifeval_types
 from posttrain.models.likelihood import render_shift
 from posttrain.models.loading import load_tokenizer
 from posttrain.quant.gguf_export import gguf_file
@@ -109,12 +110,20 @@ def score_model(row: dict, model_dir: Path, suites, eval_cfg, serve_cfg, seed: i
             # cost: prompts of different suites share a prefill padded to the longest (on SmolLM2, about 15 s of the
             # chain test's 44 s of eval; the tiny world's eval took 2-4 s longer a checkpoint in CI).
             progress.stage("greedy")
-            budgets = [eval_cfg.max_new_tokens or suite.max_new_tokens for suite in suites]
-            replies = chat_replies(conversations=[r["messages"] for suite in suites for r in suite.rows],
-                                   max_tokens=[b for suite, b in zip(suites, budgets) for _ in suite.rows],
+            plain = [suite for suite in suites if not suite.tools]
+            budgets = [eval_cfg.max_new_tokens or suite.max_new_tokens for suite in plain]
+            replies = chat_replies(conversations=[r["messages"] for suite in plain for r in suite.rows],
+                                   max_tokens=[b for suite, b in zip(plain, budgets) for _ in suite.rows],
                                    desc=f"{label}/greedy", **ask)
+            for suite in (s for s in suites if s.tools):  # each prompt through the OpenAI tool loop
+                progress.stage(suite.name)
+                transcripts = tool_loop_replies(server.base_url, key, server.name, [r["messages"] for r in suite.rows],
+                                                list(suite.tools), eval_cfg.max_new_tokens or suite.max_new_tokens,
+                                                eval_cfg.concurrency, suite.max_calls, progress=progress)
+                record_greedy(row, suite, [t.final for t in transcripts], seed)
+                row.update(tool_figures(suite.name, transcripts))
             start = 0
-            for suite, max_new in zip(suites, budgets):
+            for suite, max_new in zip(plain, budgets):
                 completions, start = replies[start:start + len(suite.rows)], start + len(suite.rows)
                 record_greedy(row, suite, completions, seed)
                 if suite.samples:
@@ -205,9 +214,9 @@ def build_suites(eval_cfg, seed: int, names: list[str] | None = None) -> list:
         kwargs = {}
         if name == "arith":
             kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature}
-        elif name in ("pku_saferlhf", "gsm8k", "math500", "hh_harmful", "benign", "ifeval"):
+        elif name in ("pku_saferlhf", "gsm8k", "gsm8k_tools", "math500", "hh_harmful", "benign", "ifeval"):
             kwargs = dict(eval_cfg[name])
-            if name in ("gsm8k", "math500"):
+            if name in ("gsm8k", "gsm8k_tools", "math500"):
                 kwargs["temperature"] = eval_cfg.temperature
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
     return suites
@@ -330,28 +339,6 @@ def render_quantization(card: dict) -> list[str]:
     return lines
 
 
-def render_ifeval_types(rows: list[dict]) -> list[str]:
-    """The ifeval suite per checkpoint: strict, loose and grounded prompt-level accuracy, then per type the strict
-    and loose rates and the prompts of that type."""
-    scored = [r for r in rows if "ifeval_types" in r]
-    if not scored:
-        return []
-    types = sorted({t for r in scored for t in r["ifeval_types"]})
-    lines = ["", "## Instruction constraints (ifeval): strict / loose rate per constraint type", "",
-             "| checkpoint | strict | loose [95% CI] | grounded [95% CI] | " + " | ".join(f"{t} (n)" for t in types)
-             + " |", "|" + "---|" * (4 + len(types))]
-    for r in scored:
-        cells = [r["checkpoint"], f"{r['ifeval']:.3f}"]
-        for key in ("ifeval_loose", "ifeval_grounded"):  # a scorecard written before grounded existed has none
-            low, high = r.get(f"{key}_ci", (None, None))
-            cells.append(f"{r[key]:.3f} [{low:.3f}, {high:.3f}]" if key in r else "n/a")
-        per_type = r["ifeval_types"]
-        cells += [f"{per_type[t]['strict']:.2f} / {per_type[t]['loose']:.2f} ({per_type[t]['n']})" if t in per_type
-                  else "n/a" for t in types]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
 def render_markdown(card: dict) -> str:
     """One row per checkpoint: each suite's greedy score (n prompts), and pass@1 where the suite samples."""
     rows = card["rows"]
@@ -391,6 +378,11 @@ def render_markdown(card: dict) -> str:
                       "prompts for a mean of fractional scores (pass@1)."]
     if {"hh_harmful", "benign"} & set(card["suites"]):
         lines += ["", REFUSAL_NOTE]
+    for row in (r for r in rows if r.get("gsm8k_tools_calls_per_prompt") is not None):
+        share = row["gsm8k_tools_calls_ok_share"]
+        lines += ["", f"{row['checkpoint']}, gsm8k_tools: {row['gsm8k_tools_calls_per_prompt']:.2f} calculator calls "
+                      f"per problem, {'n/a' if share is None else f'{share:.1%}'} of them parsed and ran, "
+                      f"{row['gsm8k_tools_hit_call_limit']} problems cut at the bound on calls"]
     lines += render_ifeval_types(rows)
     lines += harness.render(rows)
     lines += render_changes(card, HEADERS)

@@ -33,6 +33,10 @@ class Suite:
     keep_replies: bool = False  # the scorecard keeps every greedy reply (for a judge, or to rescore by a new rule)
     # more figures for the checkpoint's row from the greedy replies: details(rows, completions, seed) -> {key: value}
     details: Callable | None = None
+    # tools offered (names in posttrain.tools.registry): each prompt then runs through the OpenAI tool loop
+    # (posttrain.evaluation.tool_loop) and the final reply is scored; at most max_calls calls per prompt
+    tools: tuple[str, ...] = ()
+    max_calls: int = 8
 
     def score(self, completions: list[str]) -> list[float | None]:
         kwargs = {c: [r[c] for r in self.rows] for c in self.columns}
@@ -184,6 +188,18 @@ def gsm8k_suite(n: int, seed: int, path: str | None = None, samples: int = 0, te
                       keep)
 
 
+def gsm8k_tools_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
+                      max_new_tokens: int = 512, max_calculations: int | None = None) -> Suite:
+    """The gsm8k suite's problems (the same `n`, file and filter), asked with the calculator tool offered: each
+    runs through the OpenAI tool loop and the final reply is scored by the math verifier. The scorecard adds calls
+    per problem and the share of calls that parsed and ran. Greedy only (`samples` must be 0)."""
+    if samples:
+        raise ValueError("eval.gsm8k_tools.samples: the tool loop is scored greedy only; set it to 0")
+    plain = gsm8k_suite(n, seed, path, 0, temperature, max_new_tokens, max_calculations)
+    return Suite("gsm8k_tools", plain.rows, plain.scorer, plain.columns, max_new_tokens=max_new_tokens,
+                 tools=("calculator",))
+
+
 def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
                   max_new_tokens: int = 512, max_calculations: int | None = None) -> Suite:
     """MATH-500 problems; gold answers are LaTeX, compared by value (math-verify)."""
@@ -227,9 +243,32 @@ def ifeval_details(rows: list[dict], completions: list[str], seed: int) -> dict:
             "ifeval_types": dict(sorted(types.items()))}
 
 
+
+def render_ifeval_types(rows: list[dict]) -> list[str]:
+    """The ifeval suite per checkpoint: strict, loose and grounded prompt-level accuracy, then per type the strict
+    and loose rates and the prompts of that type."""
+    scored = [r for r in rows if "ifeval_types" in r]
+    if not scored:
+        return []
+    types = sorted({t for r in scored for t in r["ifeval_types"]})
+    lines = ["", "## Instruction constraints (ifeval): strict / loose rate per constraint type", "",
+             "| checkpoint | strict | loose [95% CI] | grounded [95% CI] | " + " | ".join(f"{t} (n)" for t in types)
+             + " |", "|" + "---|" * (4 + len(types))]
+    for r in scored:
+        cells = [r["checkpoint"], f"{r['ifeval']:.3f}"]
+        for key in ("ifeval_loose", "ifeval_grounded"):  # a scorecard written before grounded existed has none
+            low, high = r.get(f"{key}_ci", (None, None))
+            cells.append(f"{r[key]:.3f} [{low:.3f}, {high:.3f}]" if key in r else "n/a")
+        per_type = r["ifeval_types"]
+        cells += [f"{per_type[t]['strict']:.2f} / {per_type[t]['loose']:.2f} ({per_type[t]['n']})" if t in per_type
+                  else "n/a" for t in types]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
           "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite,
-          "hh_harmful": hh_harmful_suite, "benign": benign_suite, "ifeval": ifeval_suite}
+          "hh_harmful": hh_harmful_suite, "benign": benign_suite, "ifeval": ifeval_suite,
+          "gsm8k_tools": gsm8k_tools_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:

@@ -109,3 +109,13 @@ def tool_loop_replies(base_url: str, api_key: str, model: str, conversations: li
             return await asyncio.gather(*(one(m) for m in conversations))
 
     return asyncio.run(run())
+
+
+
+def tool_figures(name: str, transcripts: list[Transcript]) -> dict:
+    """A tool suite's figures beside its score: calls per prompt, the share of calls that parsed and ran, and the
+    prompts cut at the bound on calls."""
+    calls = sum(t.calls for t in transcripts)
+    return {f"{name}_calls_per_prompt": calls / len(transcripts) if transcripts else None,
+            f"{name}_calls_ok_share": sum(t.calls_ok for t in transcripts) / calls if calls else None,
+            f"{name}_hit_call_limit": sum(t.hit_limit for t in transcripts)}

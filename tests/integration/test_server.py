@@ -373,3 +373,17 @@ def test_an_invalid_tools_schema_gets_a_400_naming_the_field(server, tool, says)
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"].startswith("tools.0"), reply.text
     assert says in error["message"], error["message"]
+
+
+def test_the_openai_tool_loop_makes_two_calculator_round_trips_streamed_and_not(server):
+    from posttrain.evaluation.tool_loop import tool_loop_replies
+
+    question = [SCRIPT[3][0]]
+    plain, = tool_loop_replies(server, KEY, NAME, question, ["calculator"], max_tokens=60)
+    streamed, = tool_loop_replies(server, KEY, NAME, question, ["calculator"], max_tokens=60, stream=True)
+    for t in (plain, streamed):
+        assert t.final == "The answer is 20." and (t.calls, t.calls_ok) == (2, 2) and not t.hit_limit
+        assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["5", "20"]
+        assert [m["role"] for m in t.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m.get("tool_calls") and m["tool_calls"][0]["function"] for m in plain.messages] == \
+        [m.get("tool_calls") and m["tool_calls"][0]["function"] for m in streamed.messages]
