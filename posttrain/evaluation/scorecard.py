@@ -214,9 +214,10 @@ def build_suites(eval_cfg, seed: int, names: list[str] | None = None) -> list:
         kwargs = {}
         if name == "arith":
             kwargs = {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature}
-        elif name in ("pku_saferlhf", "gsm8k", "gsm8k_tools", "math500", "hh_harmful", "benign", "ifeval"):
+        elif name in ("pku_saferlhf", "gsm8k", "gsm8k_tools", "math500", "hh_harmful", "benign", "ifeval",
+                      "humaneval"):
             kwargs = dict(eval_cfg[name])
-            if name in ("gsm8k", "gsm8k_tools", "math500"):
+            if name in ("gsm8k", "gsm8k_tools", "math500", "humaneval"):
                 kwargs["temperature"] = eval_cfg.temperature
         suites.append(build_suite(name, eval_cfg.n_prompts[name], seed, **kwargs))
     return suites

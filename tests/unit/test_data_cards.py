@@ -17,7 +17,7 @@ from posttrain.data.overlap import EvalIndex, normalise
 from tests.conftest import REPO, shared_path
 
 EXPECTED_CARDS = {"databricks-dolly-15k", "pku-saferlhf", "gsm8k", "openr1-math-220k", "math-500", "tiny_world",
-                  "hh-rlhf", "ifeval-constraints"}
+                  "hh-rlhf", "ifeval-constraints", "humaneval"}
 
 
 def run_check(capsys, *argv: str) -> tuple[int, str]:
