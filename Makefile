@@ -14,7 +14,7 @@ PINS := transformers==5.24.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 dataset
         pytest-xdist==3.8.0 compressed-tensors==0.20.1 triton==3.9.0 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 \
         openai==3.57.0 \
         prometheus-client==0.26.0 matplotlib==3.11.2 import-linter==2.17 scipy==1.17.1 \
-        lm-eval[api]==0.4.13
+        'lm-eval[api]==0.4.13'
 # Google's IFEval checkers (rewards/constraints.py) and what they import: if-verifiable's declared dependencies also
 # pull in datasets' newer releases, emoji and syllapy for its IFBench half, so it installs without them.
 IFEVAL := if-verifiable==0.1.2 immutabledict==4.3.1 langdetect==1.0.9 six==1.17.0 nltk==3.10.4 joblib==1.6.0
