@@ -73,6 +73,7 @@ class LmEvalCfg:
     # knows or finds under include_path (task YAMLs on local data); empty runs none. Needs posttrain[lmeval].
     tasks: list[str] = field(default_factory=list)
     include_path: str | None = None
+    include_defaults: bool = True  # false: only the tasks under include_path (skips indexing lm-eval's catalogue)
     limit: int | None = None  # documents per task (null: every one)
     num_concurrent: int = 4  # lm-eval's requests in flight at once
 

@@ -19,11 +19,12 @@ INSTALL = "pip install 'posttrain[lmeval]' (lm-eval[api]==0.4.13)"
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(include_path: str | None):
-    """lm-eval's index of its tasks and those under include_path (it reads every task YAML: once per process)."""
+def task_manager(include_path: str | None, include_defaults: bool = True):
+    """lm-eval's index of the tasks under include_path, and of its own catalogue with include_defaults (it reads
+    every task YAML, about 15 s on 2 cores: once per process)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
 
 def require_lm_eval(cfg) -> None:
@@ -34,7 +35,7 @@ def require_lm_eval(cfg) -> None:
         import lm_eval  # noqa: F401
     except ImportError:
         raise RuntimeError(f"eval.lm_eval.tasks={list(cfg.tasks)} needs lm-evaluation-harness: {INSTALL}") from None
-    manager = task_manager(cfg.include_path)
+    manager = task_manager(cfg.include_path, getattr(cfg, "include_defaults", True))
     unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or under eval.lm_eval.include_path={cfg.include_path}" if cfg.include_path else ""
@@ -53,7 +54,7 @@ def run_tasks(base_url: str, api_key: str, model: str, tokenizer_dir: str, cfg, 
                   "num_concurrent": cfg.num_concurrent, "max_retries": 1, "timeout": 600,
                   "header": {"Authorization": f"Bearer {api_key}"}}
     out = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=list(cfg.tasks),
-                                  task_manager=task_manager(cfg.include_path),
+                                  task_manager=task_manager(cfg.include_path, getattr(cfg, "include_defaults", True)),
                                   limit=cfg.limit, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                   fewshot_random_seed=seed, log_samples=False)
     results = {}

@@ -104,11 +104,12 @@ def test_lm_eval_scores_through_the_server_equal_transformers(model_dir, tmp_pat
     for i, d in enumerate(gen):  # half the targets are the model's greedy continuation, half are not
         d["target"] = greedy(d["context"]) if i % 2 == 0 else "no such words"
     write_tasks(tmp_path, mc, gen)
-    cfg = SimpleNamespace(tasks=["pairs_mc", "continue_gen"], include_path=str(tmp_path), limit=None,
-                          num_concurrent=2)
+    cfg = SimpleNamespace(tasks=["pairs_mc", "continue_gen"], include_path=str(tmp_path), include_defaults=False,
+                          limit=None, num_concurrent=2)
     harness.require_lm_eval(cfg)
     with pytest.raises(ValueError, match="no_such_task"):  # before any server starts
-        harness.require_lm_eval(SimpleNamespace(tasks=["no_such_task"], include_path=str(tmp_path)))
+        harness.require_lm_eval(SimpleNamespace(tasks=["no_such_task"], include_path=str(tmp_path),
+                                                include_defaults=False))
     opts = ServeCfg(model=str(model_dir), port=0, api_key=KEY, served_model_name="tiny", max_batch=4, max_len=256,
                     threads=1)
     with background_server(opts) as server:
