@@ -53,7 +53,9 @@ def rendered(tokenizer, prompt, reply, options) -> tuple[list[int], list[int]]:
     return (tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False))
 
 
-def build_scripted_model(out: Path, steps: int = 400) -> Path:
+def build_scripted_model(out: Path, steps: int = 400, script: list | None = None) -> Path:
+    """Train and save the model on `script` (default: all of SCRIPT); a test that needs fewer replies trains on
+    fewer, which is faster."""
     import torch
 
     from posttrain.data.tiny_world import build_tiny_tokenizer
@@ -62,7 +64,7 @@ def build_scripted_model(out: Path, steps: int = 400) -> Path:
     tokenizer = build_tiny_tokenizer()
     arch = TinyArch(hidden_size=64, intermediate_size=192, num_hidden_layers=2, head_dim=16, max_position_embeddings=512)
     model = build_tiny_model(arch, tokenizer, seed=0)
-    pairs = [rendered(tokenizer, *item) for item in SCRIPT]
+    pairs = [rendered(tokenizer, *item) for item in (SCRIPT if script is None else script)]
     width = max(len(p) + len(r) for p, r in pairs)
     ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
     labels = torch.full((len(pairs), width), -100)

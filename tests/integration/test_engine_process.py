@@ -15,7 +15,7 @@ import pytest
 
 from posttrain.config_schema import ServeCfg
 from posttrain.serve.server import background_server
-from tests.scripted_model import build_scripted_model
+from tests.scripted_model import SCRIPT, build_scripted_model
 
 openai = pytest.importorskip("openai")
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -23,7 +23,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model")
+    # the first three replies (content, reasoning, a tool call): this file needs no calculator round trips
+    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model", script=SCRIPT[:3])
 
 
 def health(base_url: str) -> int:
