@@ -1,4 +1,5 @@
-"""What every training stage shares: the stage directory's life cycle, TRL config construction, resume, saving.
+"""What every training stage shares: the stage directory's life cycle, TRL config construction, saving (resuming a
+killed stage: posttrain.resume).
 
 Under several processes (`torchrun` or `accelerate launch`) every rank runs the whole stage, but only rank 0
 touches the stage directory: `begin` prepares it on rank 0 while the others wait at a barrier, `finish` saves the
@@ -9,7 +10,6 @@ together so no rank reads a half-written artifact in the next stage.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -162,52 +162,6 @@ def begin(run: StageRun) -> None:
         shutil.rmtree(run.model_dir, ignore_errors=True)
         intent.write_text(run.config_hash)
     barrier()
-
-
-def last_checkpoint(run: StageRun) -> str | None:
-    """The newest *complete* trainer checkpoint, or None.
-
-    transformers writes trainer_state.json last in a checkpoint, so a checkpoint without a readable one was cut
-    short by a kill; its own `get_last_checkpoint` would pick it by number alone and resume would crash.
-    """
-    import re
-
-    if not run.checkpoints.is_dir():
-        return None
-    numbered = []
-    for path in run.checkpoints.iterdir():
-        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if match and path.is_dir():
-            numbered.append((int(match.group(1)), path))
-    for _, path in sorted(numbered, reverse=True):
-        try:
-            json.loads((path / "trainer_state.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            log.info("%s: ignoring incomplete checkpoint %s", run.name, path)
-            continue
-        return str(path)
-    return None
-
-
-def checkpoint_step(checkpoint: str) -> int:
-    """The global step a `checkpoint-<N>` directory was saved at."""
-    return int(str(checkpoint).rstrip("/").rsplit("-", 1)[-1])
-
-
-def cut_step_rows(path: Path, step: int) -> int:
-    """Cut a per-step JSONL log (rows with a "step") back to before `step`, atomically; returns the rows dropped.
-
-    A stage resumed from checkpoint-N redoes step N onward; what the killed attempt wrote for those steps would
-    otherwise be there twice.
-    """
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and (json.loads(line).get("step") or 0) < step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
 
 
 def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: int):

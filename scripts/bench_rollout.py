@@ -80,7 +80,7 @@ def run(model: str, backend: str, root: Path, args, head: str = "auto", bf16: bo
     metrics = json.loads((stage_dir / "manifest.json").read_text())["metrics"]
     completions = [json.loads(line)["completion"] for line in (stage_dir / "completions.jsonl").open()]
     return {"wall_s": round(time.perf_counter() - started, 1), "step_seconds": metrics["step_seconds"],
-            "sampling": {k: v for k, v in metrics["sampling"].items() if k != "steps"}, "completions": completions}
+            "sampling": {k: v for k, v in metrics["sampling"].items() if k != "per_step"}, "completions": completions}
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+from posttrain.resume import train_from_checkpoint
 
 
 def kept_pairs(trainer, given: int, record: dict, source) -> None:
@@ -89,11 +90,8 @@ def main(cfg, run: StageRun) -> dict:
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[moe])
     kept_pairs(trainer, len(dataset), record, cfg.dpo.pairs.path or cfg.dpo.pairs.get("hub_id"))
     use_compact_lm_heads(trainer, "dpo", cfg.dpo.lm_head)  # on CPU, TRL's head scores every position, in tiles
-    resume = training.last_checkpoint(run)
-    if resume:
-        log.info("dpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
-    trainer.train(resume_from_checkpoint=resume)
+    resume = train_from_checkpoint(trainer, run)
     model = trainer.model
     if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
         model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter")

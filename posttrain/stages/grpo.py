@@ -21,6 +21,8 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from posttrain import sharding, training
 from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
@@ -28,6 +30,7 @@ from posttrain.grpo_sampling import dynamic_sampling_trainer
 from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
+from posttrain.resume import checkpoint_step, cut_step_rows, last_checkpoint, train_from_checkpoint
 from posttrain.serve.engine import Engine, SamplingParams, default_stop_ids, model_from_hf
 from posttrain.serve.rollout import EngineRollout
 from posttrain.training import StageRun
@@ -127,16 +130,22 @@ class RewardTable:
                 }) + "\n")
 
 
-class StepTimer:
-    """Where a GRPO step's seconds go: generating the completions, scoring them, and the rest (log-probabilities,
-    the loss and the update). Wraps two GRPOTrainer methods on the instance (`_generate`, `_calculate_rewards`):
-    TRL times them too, but reports those timings to W&B only."""
+class StepTimer(TrainerCallback):
+    """Where each GRPO step's seconds go: generating the completions, scoring them, and the rest (log-probabilities,
+    the loss and the update). Wraps two GRPOTrainer methods on the instance (`_generate`, `_calculate_rewards`) and
+    logs each step's `time/generation`, `time/scoring` and `time/step` through TRL's own metrics, so they land in the
+    step's log_history entry, which a checkpoint keeps for a resumed run (TRL times these too, but reports its
+    timings to W&B only)."""
+
+    PARTS = (("_generate", "generation"), ("_calculate_rewards", "scoring"))
 
     def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.trainer, self.started, self.seconds = None, None, defaultdict(float)
 
     def attach(self, trainer) -> None:
-        for method, part in (("_generate", "generation"), ("_calculate_rewards", "scoring")):
+        self.trainer = trainer
+        trainer.add_callback(self)
+        for method, part in self.PARTS:
             original = getattr(trainer, method)
 
             def timed(*args, _original=original, _part=part, **kwargs):
@@ -148,23 +157,57 @@ class StepTimer:
 
             setattr(trainer, method, timed)
 
-    def per_step(self, steps: int, train_seconds: float) -> dict[str, float]:
-        rest = train_seconds - sum(self.seconds.values())
-        return {k: round(v / max(steps, 1), 4) for k, v in {**self.seconds, "update_and_rest": rest}.items()}
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started, self.seconds = time.perf_counter(), defaultdict(float)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.started is None:
+            return
+        metrics = self.trainer._metrics["train"]
+        for _, part in self.PARTS:
+            metrics[f"time/{part}"].append(self.seconds[part])
+        metrics["time/step"].append(time.perf_counter() - self.started)
 
 
-def sampling_summary(trainer, table: RewardTable) -> dict:
-    """Completions generated and trained on over the run, the share of generated groups whose rewards were all equal,
-    and (with dynamic sampling) each step's record."""
-    batches = table.history
-    equal = sum(h["equal_reward_groups"] for h in batches) / len(batches) if batches else None
-    steps = getattr(trainer, "sampling_history", [])
-    summary = {"generation_batches": len(batches), "equal_reward_group_share": equal}
-    if steps:
-        summary.update(generated=sum(s["generated"] for s in steps), trained=sum(s["trained"] for s in steps),
-                       informative_trained_share=sum(s["trained"] - s["filled_uninformative_groups"] *
-                                                     trainer.num_generations for s in steps)
-                       / sum(s["trained"] for s in steps), steps=steps)
+def step_sums(history: list[dict], key: str) -> tuple[float, int]:
+    """(sum over steps, steps) of a per-step metric in a trainer's log_history, whose entries hold its mean over each
+    logging window: each entry counts for the steps since the previous entry that logged it."""
+    total, steps, last = 0.0, 0, 0
+    for entry in history:
+        if key in entry and entry[key] is not None and "step" in entry:
+            total += entry[key] * (entry["step"] - last)
+            steps += entry["step"] - last
+            last = entry["step"]
+    return total, steps
+
+
+def step_split(history: list[dict]) -> dict[str, float]:
+    """Seconds per step, over every step the log_history covers (a resumed run's too): generation, scoring and the
+    rest of the step (log-probabilities, the loss and the update)."""
+    sums = {part: step_sums(history, f"time/{part}") for part in ("generation", "scoring", "step")}
+    steps = sums["step"][1]
+    if not steps:
+        return {}
+    generation, scoring, whole = (sums[k][0] / steps for k in ("generation", "scoring", "step"))
+    return {"generation": round(generation, 4), "scoring": round(scoring, 4),
+            "update_and_rest": round(whole - generation - scoring, 4), "steps": steps}
+
+
+def sampling_summary(history: list[dict], group_size: int) -> dict:
+    """From the log_history (so a resumed run counts the steps before its checkpoint): the share of generated groups
+    whose rewards were all equal (mean over steps) and, with dynamic sampling, the completions generated and trained
+    on, the share of trained completions in informative groups, and each logging step's record."""
+    equal, steps = step_sums(history, "equal_reward_groups")
+    summary = {"steps": steps, "equal_reward_group_share": equal / steps if steps else None}
+    generated, trained, filled = (step_sums(history, f"sampling/{k}")[0]
+                                  for k in ("generated", "trained", "filled_uninformative_groups"))
+    if trained:
+        keys = ("generated", "trained", "rounds", "informative_groups", "filled_uninformative_groups",
+                "filtered_group_share")
+        summary.update(generated=round(generated), trained=round(trained),
+                       informative_trained_share=(trained - filled * group_size) / trained,
+                       per_step=[{"step": h["step"], **{k: h[f"sampling/{k}"] for k in keys}}
+                                 for h in history if "sampling/generated" in h])
     return summary
 
 
@@ -306,11 +349,11 @@ def main(cfg, run: StageRun) -> dict:
     rows, record["screen"] = screen_prompts(rows, cfg.grpo.prompts.screen, model, tokenizer, funcs, args,
                                             template_kwargs)
     table_path = run.out_dir / COMPLETIONS
-    resume = training.last_checkpoint(run)
+    resume = last_checkpoint(run)
     if training.is_main_process():
         if not resume:
             table_path.unlink(missing_ok=True)  # a fresh start owns the table
-        elif dropped := training.cut_step_rows(table_path, training.checkpoint_step(resume)):
+        elif dropped := cut_step_rows(table_path, checkpoint_step(resume)):
             log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
     table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
     args.reward_weights = [w for _, w in funcs.values()]
@@ -330,16 +373,12 @@ def main(cfg, run: StageRun) -> dict:
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise ValueError(SHARDED_ROLLOUT)
     use_compact_lm_heads(trainer, "grpo", cfg.grpo.lm_head)  # on CPU, TRL's head scores every position, in tiles
-    if resume:
-        log.info("grpo: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
-    timer = StepTimer()
-    timer.attach(trainer)
-    started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
-    step_seconds = timer.per_step(trainer.state.global_step - (training.checkpoint_step(resume) if resume else 0),
-                                  time.perf_counter() - started)
-    log.info("grpo: seconds per step: %s", ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
+    StepTimer().attach(trainer)
+    train_from_checkpoint(trainer, run, resume)
+    step_seconds = step_split(trainer.state.log_history)
+    log.info("grpo: seconds per step (%d steps): %s", step_seconds.pop("steps", 0),
+             ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
 
     # --- save ----------------------------------------------------------------------------------------------------
     model = trainer.model
@@ -349,7 +388,7 @@ def main(cfg, run: StageRun) -> dict:
              for h in trainer.state.log_history if "reward" in h]
     metrics = {**training.train_metrics(trainer), **moe.metrics(),
                "reward_curve": curve, "completions_table": COMPLETIONS, "step_seconds": step_seconds,
-               "prompts": len(rows), "rollout_backend": backend, "sampling": sampling_summary(trainer, table)}
+               "prompts": len(rows), "rollout_backend": backend, "sampling": sampling_summary(trainer.state.log_history, args.num_generations)}
     if curve:
         log.info("grpo: mean reward by logging step: %s",
                  " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))

@@ -15,6 +15,7 @@ from posttrain.data.tiny_world import build_tiny_tokenizer, plain_text
 from posttrain.models.tiny import build_tiny_model
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+from posttrain.resume import train_from_checkpoint
 
 log = logging.getLogger("posttrain")
 
@@ -48,11 +49,8 @@ def main(cfg, run: StageRun) -> dict:
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=[moe])
-    resume = training.last_checkpoint(run)
-    if resume:
-        log.info("pretrain: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
-    trainer.train(resume_from_checkpoint=resume)
+    resume = train_from_checkpoint(trainer, run)
 
     # --- save + manifest ---------------------------------------------------------------------------------------
     metrics = {**training.train_metrics(trainer), **moe.metrics(), "parameters": n_params, "rows": len(texts)}

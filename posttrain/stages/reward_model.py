@@ -17,6 +17,7 @@ from posttrain.models.freezing import freeze_below_top_layers
 from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+from posttrain.resume import train_from_checkpoint
 from rewards.reward_model import RewardModelScorer
 
 log = logging.getLogger("posttrain")
@@ -104,11 +105,8 @@ def main(cfg, run: StageRun) -> dict:
     moe = MoeRouterCallback()
     trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config, callbacks=[moe])
-    resume = training.last_checkpoint(run)
-    if resume:
-        log.info("reward_model: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
-    trainer.train(resume_from_checkpoint=resume)
+    resume = train_from_checkpoint(trainer, run)
     model = trainer.model
     if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
         model = sharding.merge_lora(trainer, lambda: load_scoring_model(location, cfg.model, tokenizer))

@@ -18,6 +18,7 @@ from posttrain.models.lm_head import use_compact_lm_heads
 from posttrain.models.loading import load_model, load_tokenizer, model_location
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
+from posttrain.resume import train_from_checkpoint
 
 log = logging.getLogger("posttrain")
 
@@ -64,11 +65,8 @@ def main(cfg, run: StageRun) -> dict:
         callbacks=[moe],
     )
     use_compact_lm_heads(trainer, "sft", cfg.sft.lm_head)  # on CPU, TRL's head scores every position, in tiles
-    resume = training.last_checkpoint(run)
-    if resume:
-        log.info("sft: resuming from %s", resume)
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
-    trainer.train(resume_from_checkpoint=resume)
+    resume = train_from_checkpoint(trainer, run)
 
     # --- save: LoRA adapters are merged, so the artifact is a plain model directory ----------------------------
     model = trainer.model

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from posttrain.grpo_sampling import dynamic_sampling_trainer, informative_groups
-from posttrain.stages.grpo import RewardTable
+from posttrain.resume import train_from_checkpoint
+from posttrain.stages.grpo import RewardTable, StepTimer, sampling_summary, step_split
 
 GROUP = 4
 
@@ -28,7 +29,8 @@ def varied_reward(prompts, completions, **kwargs):
     return out
 
 
-def make_trainer(tiny_tokenizer, tmp_path, prompts: list[str], sampling: str, reward_funcs, seed: int = 0):
+def make_trainer(tiny_tokenizer, tmp_path, prompts: list[str], sampling: str, reward_funcs, seed: int = 0,
+                 **overrides):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -39,8 +41,8 @@ def make_trainer(tiny_tokenizer, tmp_path, prompts: list[str], sampling: str, re
     model = build_tiny_model(arch, tiny_tokenizer, seed=seed)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, per_device_train_batch_size=2 * GROUP,
                       num_generations=GROUP, max_completion_length=8, temperature=1.0, learning_rate=1e-3,
-                      beta=0.0, loss_type="dapo", scale_rewards="group", logging_steps=1, save_strategy="no",
-                      report_to=[], seed=seed, bf16=False, dataloader_num_workers=0)
+                      beta=0.0, loss_type="dapo", scale_rewards="group", logging_steps=1, report_to=[], seed=seed,
+                      bf16=False, dataloader_num_workers=0, **{"save_strategy": "no", **overrides})
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in prompts]
     cls = dynamic_sampling_trainer(GRPOTrainer, SimpleNamespace(filter=sampling, max_rounds=4))
     trainer = cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
@@ -136,3 +138,31 @@ def test_the_screen_keeps_the_prompts_passed_some_of_the_time(tiny_tokenizer, tm
     with pytest.raises(ValueError, match="keep must be"):
         screen_prompts(rows, SimpleNamespace(samples=6, keep=[0.9, 0.1], batch=8), trainer.model, tiny_tokenizer,
                        {"r": (reward, 1.0)}, trainer.args, {})
+
+
+def test_a_checkpoint_at_max_steps_resumes_without_another_step_and_keeps_its_step_records(tiny_tokenizer, tmp_path):
+    def trainer(where=tmp_path):  # the stage's reward table logs each generation batch's equal-reward groups
+        table = RewardTable({"varied": (varied_reward, 1.0)}, GROUP, "group", where / "completions.jsonl")
+        return make_trainer(tiny_tokenizer, where, POOL, "zero_std", table.wrapped(), save_strategy="steps",
+                            save_steps=2)
+
+    first = trainer()
+    StepTimer().attach(first)
+    first.train()  # max_steps 2: its last checkpoint is at the end
+    trained = {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    # transformers alone trains one more step from a checkpoint at max_steps: what train_from_checkpoint prevents
+    plain = trainer(tmp_path / "plain")
+    plain.train(resume_from_checkpoint=checkpoint)
+    assert plain.state.global_step == 3
+
+    resumed = trainer()
+    assert train_from_checkpoint(resumed, SimpleNamespace(name="grpo", checkpoints=tmp_path / "out")) == checkpoint
+    assert resumed.state.global_step == 2 and resumed.sampling_history == []  # nothing generated, no step
+    assert all(torch.equal(trained[n], p) for n, p in resumed.model.named_parameters())
+    # the step records come back with the checkpoint's log_history: both steps, though this process ran none
+    split = step_split(resumed.state.log_history)
+    assert split["steps"] == 2 and split["generation"] > 0 and split["update_and_rest"] > 0
+    summary = sampling_summary(resumed.state.log_history, GROUP)
+    assert summary["steps"] == 2 and summary["trained"] == 2 * 2 * GROUP and summary["generated"] >= summary["trained"]
+    assert [r["step"] for r in summary["per_step"]] == [1, 2]

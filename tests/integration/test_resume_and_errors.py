@@ -246,6 +246,10 @@ def test_grpo_killed_after_a_checkpoint_resumes_with_every_steps_completions_onc
     assert "completions the killed attempt scored after" in result.stderr
     counts = {step: steps().count(step) for step in set(steps())}
     assert counts == dict.fromkeys(range(6), 8), counts  # 8 completions a step (2 prompts x 4), each step once
+    # the record of equal-reward groups covers the steps before the checkpoint too (it comes back with it)
+    metrics = verify_artifact(stage_dir)["metrics"]
+    assert metrics["sampling"]["steps"] == 6, metrics["sampling"]
+    assert metrics["step_seconds"]["generation"] > 0
 
 
 def test_a_second_run_on_a_busy_stage_directory_stops_naming_the_owner(pretrained, tmp_path):

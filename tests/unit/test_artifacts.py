@@ -77,7 +77,8 @@ def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
-    from posttrain.training import StageRun, last_checkpoint
+    from posttrain.resume import last_checkpoint
+    from posttrain.training import StageRun
 
     run = StageRun(name="sft", out_dir=tmp_path, parent=None, config={}, config_hash="h", run_name="r")
     assert last_checkpoint(run) is None
@@ -106,7 +107,7 @@ def test_a_stage_directory_has_one_owner_at_a_time(tmp_path, caplog):
 
 
 def test_a_resumed_stage_cuts_its_step_log_back_to_the_checkpoint(tmp_path):
-    from posttrain.training import checkpoint_step, cut_step_rows
+    from posttrain.resume import checkpoint_step, cut_step_rows
 
     log = tmp_path / "completions.jsonl"
     log.write_text("".join(json.dumps({"step": step, "i": i}) + "\n" for step in range(5) for i in range(2)))
