@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from posttrain import sharding, tracking
 from posttrain.artifacts import MANIFEST, now, sha256_json, write_manifest
+from posttrain.models.loading import load_tokenizer, model_location
 from posttrain.models.precision import resolve_bf16_auto
 from posttrain.planner import PlannerError, load_config, plan_model, verdict_line
 
@@ -164,6 +165,23 @@ def begin(run: StageRun) -> None:
     barrier()
 
 
+def open_stage(cfg, run: StageRun, config_class: str, seq_len=None):
+    """A training stage's first steps, in order: its directory made ready (`begin`), TRL's `config_class` from the
+    stage's `trainer` block, the parent's location and tokenizer, the capacity plan logged, the torch seed set.
+    `seq_len(args)` gives the planned sequence length where it is not `max_length` (GRPO's prompt + completion).
+    Returns (args, location, tokenizer)."""
+    import torch
+
+    begin(run)
+    block = cfg[run.name]
+    args = trl_args(config_class, block.trainer, run, cfg.tracking, cfg.seed)
+    location = model_location(cfg.model, run.parent)
+    tokenizer = load_tokenizer(location)
+    log_stage_plan(run.name, location, block, args, seq_len(args) if seq_len else None)
+    torch.manual_seed(cfg.seed)
+    return args, location, tokenizer
+
+
 def trl_args(class_name: str, trainer_block, run: StageRun, tracking_cfg, seed: int):
     """A TRL config from the recipe's trainer block (TRL's own field names) plus where to write and log.
 
@@ -272,13 +290,20 @@ def finish(run: StageRun, model, tokenizer, *, datasets: list[dict], metrics: di
     if is_main_process():
         device = str(next(model.parameters()).device)  # where the weights were trained (cpu, cuda:0, ...)
         save_model(model, tokenizer, run, state_dict)
-        drop_checkpoints(run)
-        write_manifest(run.out_dir, stage=run.name, parent=run.parent, config=run.config,
-                       config_hash=run.config_hash, datasets=datasets, metrics=metrics, started_at=run.started_at,
+        write_artifact(run, datasets=datasets, metrics=metrics,
                        extra={"device": device, "processes": world_size(), "strategy": sharding.strategy(trainer),
                               **extra})
     barrier()
     return metrics
+
+
+def write_artifact(run: StageRun, *, datasets: list[dict], metrics: dict, extra: dict, stage: str | None = None) -> None:
+    """With model/ written: drop the trainer checkpoints, then write the manifest, last, which makes the stage
+    directory an artifact (a stage that stops before this leaves no manifest, so it is never read as finished)."""
+    drop_checkpoints(run)
+    write_manifest(run.out_dir, stage=stage or run.name, parent=run.parent, config=run.config,
+                   config_hash=run.config_hash, datasets=datasets, metrics=metrics, started_at=run.started_at,
+                   extra=extra)
 
 
 # --- test hooks ------------------------------------------------------------------------------------------------------
@@ -327,6 +352,17 @@ def launcher_strategy() -> str:
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return "zero3"
     return "ddp"
+
+
+def log_stage_plan(stage: str, location, block, args, seq_len: int | None = None) -> str | None:
+    """`log_capacity_plan` for a training stage: the method (full, lora or qlora) and LoRA rank from the stage's
+    recipe block, the micro-batch from its trainer arguments, the sequence length from `max_length` unless given."""
+    lora = block.get("lora")
+    method = "qlora" if block.get("qlora") else ("lora" if lora is not None else "full")
+    return log_capacity_plan(stage, location, method=method,
+                             seq_len=seq_len if seq_len is not None else args.max_length,
+                             micro_batch=args.per_device_train_batch_size,
+                             lora_rank=lora.get("r") if lora is not None else None)
 
 
 def log_capacity_plan(stage: str, location, *, method: str, seq_len: int | None, micro_batch: int,

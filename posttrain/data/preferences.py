@@ -22,6 +22,7 @@ import random
 from numbers import Integral
 from pathlib import Path
 
+from posttrain.artifacts import sha256_json
 from posttrain.data.bad_rows import BadRow, BadRows
 from posttrain.data.dolly import DataError, read_rows
 from posttrain.data.hh_rlhf import SUBSETS, hh_pairs, split_by_conversation
@@ -117,6 +118,16 @@ def pku_pairs(rows: list[dict], source: str, preference: str = "safer",
         log.info("%s: %s skipped %d rows without exactly one safe response", source, preference, skipped)
     return pairs, {"rows_read": len(rows), "pairs": len(pairs), "skipped": {"not_exactly_one_safe": skipped},
                    **dropped}
+
+
+def load_pair_split(stage: str, pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:
+    """`load_pairs` for a training stage: its dataset record also counts the pairs and hashes the training ones'
+    text (what the stage trained on, for the manifest), and the split is logged."""
+    train, held_out, record = load_pairs(pairs_cfg, seed)
+    record = {**record, "rows": len(train), "held_out": len(held_out),
+              "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train])}
+    log.info("%s: %d training pairs, %d held out (%s)", stage, len(train), len(held_out), record["id"])
+    return train, held_out, record
 
 
 def load_pairs(pairs_cfg, seed: int) -> tuple[list[dict], list[dict], dict]:

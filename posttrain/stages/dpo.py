@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 
 from posttrain import sharding, training
-from posttrain.artifacts import sha256_json
 from posttrain.config import RecipeError
 from posttrain.data.dolly import DataError
-from posttrain.data.preferences import load_pairs
+from posttrain.data.preferences import load_pair_split
 from posttrain.data.startup import pair_jobs, startup_check
 from posttrain.models.likelihood import likelihood_shift, render_shift, reply_logprobs
 from posttrain.models.lm_head import use_compact_lm_heads
-from posttrain.models.loading import load_model, load_tokenizer, model_location
+from posttrain.models.loading import load_model
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
 from posttrain.resume import train_from_checkpoint
@@ -44,21 +43,13 @@ log = logging.getLogger("posttrain")
 
 
 def main(cfg, run: StageRun) -> dict:
-    import torch
     from datasets import Dataset
     from trl import DPOTrainer
 
     # --- config ------------------------------------------------------------------------------------------------
-    training.begin(run)
-    args = training.trl_args("DPOConfig", cfg.dpo.trainer, run, cfg.tracking, cfg.seed)
+    args, location, tokenizer = training.open_stage(cfg, run, "DPOConfig")
 
     # --- models: the policy starts from the parent, which is also the frozen reference ---------------------------
-    location = model_location(cfg.model, run.parent)
-    tokenizer = load_tokenizer(location)
-    training.log_capacity_plan("dpo", location, method="lora" if cfg.dpo.lora is not None else "full",
-                               seq_len=args.max_length, micro_batch=args.per_device_train_batch_size,
-                               lora_rank=cfg.dpo.lora.get("r") if cfg.dpo.lora is not None else None)
-    torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     peft_config, ref_model = training.lora_config(cfg.dpo.lora), None
     if peft_config is None:
@@ -66,10 +57,7 @@ def main(cfg, run: StageRun) -> dict:
         ref_model.eval()
 
     # --- data ----------------------------------------------------------------------------------------------------
-    train_pairs, held_out, record = load_pairs(cfg.dpo.pairs, cfg.data.seed)
-    record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
-              "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
-    log.info("dpo: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    train_pairs, held_out, record = load_pair_split("dpo", cfg.dpo.pairs, cfg.data.seed)
     if cfg.dpo.shift_pairs is not None:
         if cfg.dpo.shift_pairs < 1:
             raise RecipeError(f"dpo.shift_pairs is {cfg.dpo.shift_pairs}; the likelihood shift needs at least 1 pair")

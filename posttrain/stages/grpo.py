@@ -18,17 +18,15 @@ import logging
 import math
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 from posttrain import sharding, training
 from posttrain.data.prompts import load_prompts
 from posttrain.data.startup import prompt_jobs, startup_check
+from posttrain.grpo_record import StepTimer, sampling_summary, step_split
 from posttrain.grpo_sampling import dynamic_sampling_trainer
 from posttrain.models.lm_head import use_compact_lm_heads
-from posttrain.models.loading import load_model, load_tokenizer, model_location
+from posttrain.models.loading import load_model
 from posttrain.moe import MoeRouterCallback
 from posttrain.resume import checkpoint_step, cut_step_rows, last_checkpoint, train_from_checkpoint
 from posttrain.serve.engine import Engine, SamplingParams, default_stop_ids, model_from_hf
@@ -128,87 +126,6 @@ class RewardTable:
                     "reward": None if math.isnan(totals[i]) else totals[i],
                     "advantage": advantages[i],
                 }) + "\n")
-
-
-class StepTimer(TrainerCallback):
-    """Where each GRPO step's seconds go: generating the completions, scoring them, and the rest (log-probabilities,
-    the loss and the update). Wraps two GRPOTrainer methods on the instance (`_generate`, `_calculate_rewards`) and
-    logs each step's `time/generation`, `time/scoring` and `time/step` through TRL's own metrics, so they land in the
-    step's log_history entry, which a checkpoint keeps for a resumed run (TRL times these too, but reports its
-    timings to W&B only)."""
-
-    PARTS = (("_generate", "generation"), ("_calculate_rewards", "scoring"))
-
-    def __init__(self):
-        self.trainer, self.started, self.seconds = None, None, defaultdict(float)
-
-    def attach(self, trainer) -> None:
-        self.trainer = trainer
-        trainer.add_callback(self)
-        for method, part in self.PARTS:
-            original = getattr(trainer, method)
-
-            def timed(*args, _original=original, _part=part, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    self.seconds[_part] += time.perf_counter() - start
-
-            setattr(trainer, method, timed)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.started, self.seconds = time.perf_counter(), defaultdict(float)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.started is None:
-            return
-        metrics = self.trainer._metrics["train"]
-        for _, part in self.PARTS:
-            metrics[f"time/{part}"].append(self.seconds[part])
-        metrics["time/step"].append(time.perf_counter() - self.started)
-
-
-def step_sums(history: list[dict], key: str) -> tuple[float, int]:
-    """(sum over steps, steps) of a per-step metric in a trainer's log_history, whose entries hold its mean over each
-    logging window: each entry counts for the steps since the previous entry that logged it."""
-    total, steps, last = 0.0, 0, 0
-    for entry in history:
-        if key in entry and entry[key] is not None and "step" in entry:
-            total += entry[key] * (entry["step"] - last)
-            steps += entry["step"] - last
-            last = entry["step"]
-    return total, steps
-
-
-def step_split(history: list[dict]) -> dict[str, float]:
-    """Seconds per step, over every step the log_history covers (a resumed run's too): generation, scoring and the
-    rest of the step (log-probabilities, the loss and the update)."""
-    sums = {part: step_sums(history, f"time/{part}") for part in ("generation", "scoring", "step")}
-    steps = sums["step"][1]
-    if not steps:
-        return {}
-    generation, scoring, whole = (sums[k][0] / steps for k in ("generation", "scoring", "step"))
-    return {"generation": round(generation, 4), "scoring": round(scoring, 4),
-            "update_and_rest": round(whole - generation - scoring, 4), "steps": steps}
-
-
-def sampling_summary(history: list[dict], group_size: int) -> dict:
-    """From the log_history (so a resumed run counts the steps before its checkpoint): the share of generated groups
-    whose rewards were all equal (mean over steps) and, with dynamic sampling, the completions generated and trained
-    on, the share of trained completions in informative groups, and each logging step's record."""
-    equal, steps = step_sums(history, "equal_reward_groups")
-    summary = {"steps": steps, "equal_reward_group_share": equal / steps if steps else None}
-    generated, trained, filled = (step_sums(history, f"sampling/{k}")[0]
-                                  for k in ("generated", "trained", "filled_uninformative_groups"))
-    if trained:
-        keys = ("generated", "trained", "rounds", "informative_groups", "filled_uninformative_groups",
-                "filtered_group_share")
-        summary.update(generated=round(generated), trained=round(trained),
-                       informative_trained_share=(trained - filled * group_size) / trained,
-                       per_step=[{"step": h["step"], **{k: h[f"sampling/{k}"] for k in keys}}
-                                 for h in history if "sampling/generated" in h])
-    return summary
 
 
 def build_rewards(cfg, run: StageRun) -> dict[str, tuple]:
@@ -312,34 +229,68 @@ def load_step_prompts(cfg, args) -> tuple[list[dict], dict]:
     return rows, record
 
 
-def log_plan(cfg, args, location) -> None:
-    """The capacity planner's estimate for this GRPO step, in the log before the model loads."""
-    training.log_capacity_plan("grpo", location, method="lora" if cfg.grpo.lora is not None else "full",
-                               seq_len=(getattr(args, "max_prompt_length", None) or 512) + args.max_completion_length,
-                               micro_batch=args.per_device_train_batch_size,
-                               lora_rank=cfg.grpo.lora.get("r") if cfg.grpo.lora is not None else None)
+def planned_length(args) -> int:
+    return (getattr(args, "max_prompt_length", None) or 512) + args.max_completion_length
 
 
-def main(cfg, run: StageRun) -> dict:
-    import torch
-    from datasets import Dataset
-    from trl import GRPOTrainer
-
-    # --- config ------------------------------------------------------------------------------------------------
-    training.begin(run)
-    args = training.trl_args("GRPOConfig", cfg.grpo.trainer, run, cfg.tracking, cfg.seed)
+def adjust_args(args, cfg) -> dict:
+    """TRL's GRPOConfig given the recipe's chat-template arguments (returned), completion tables when W&B records,
+    and vLLM when the roll-outs use it."""
     template_kwargs = dict(cfg.grpo.chat_template_kwargs or {})
     if template_kwargs:
         args.chat_template_kwargs = template_kwargs
     args.log_completions = args.log_completions or "wandb" in (args.report_to or [])
-    backend = cfg.grpo.rollout.backend
-    args.use_vllm = args.use_vllm or backend == "vllm"
+    args.use_vllm = args.use_vllm or cfg.grpo.rollout.backend == "vllm"
+    return template_kwargs
+
+
+def open_reward_table(run: StageRun, funcs: dict, args) -> tuple[RewardTable, str | None]:
+    """The completions table and the checkpoint to resume from: a fresh start owns the table; a resumed one keeps
+    the rows up to its checkpoint's step and drops what the killed attempt scored after it."""
+    table_path = run.out_dir / COMPLETIONS
+    resume = last_checkpoint(run)
+    if training.is_main_process():
+        if not resume:
+            table_path.unlink(missing_ok=True)
+        elif dropped := cut_step_rows(table_path, checkpoint_step(resume)):
+            log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
+    return RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path), resume
+
+
+def log_setup(rows: list[dict], args, funcs: dict, cfg) -> None:
+    sampling = cfg.grpo.sampling
+    log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s; dynamic sampling %s", len(rows),
+             args.num_generations, {n: w for n, (_, w) in funcs.items()}, cfg.grpo.rollout.backend,
+             "off" if sampling.filter == "none" else f"{sampling.filter} (up to {sampling.max_rounds} rounds a step)")
+
+
+def trained_metrics(trainer, moe: MoeRouterCallback, rows: list[dict], cfg) -> dict:
+    """The manifest's GRPO metrics, all from the trainer's log_history (so a resumed run's cover the steps before
+    its checkpoint): TRL's own, the reward curve, the step split and the sampling record; both split and curve are
+    logged."""
+    history = trainer.state.log_history
+    step_seconds = step_split(history)
+    log.info("grpo: seconds per step (%d steps): %s", step_seconds.pop("steps", 0),
+             ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
+    curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
+             for h in history if "reward" in h]
+    if curve:
+        log.info("grpo: mean reward by logging step: %s", " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))
+    return {**training.train_metrics(trainer), **moe.metrics(), "reward_curve": curve,
+            "completions_table": COMPLETIONS, "step_seconds": step_seconds, "prompts": len(rows),
+            "rollout_backend": cfg.grpo.rollout.backend,
+            "sampling": sampling_summary(history, trainer.args.num_generations)}
+
+
+def main(cfg, run: StageRun) -> dict:
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    # --- config ------------------------------------------------------------------------------------------------
+    args, location, tokenizer = training.open_stage(cfg, run, "GRPOConfig", seq_len=planned_length)
+    template_kwargs = adjust_args(args, cfg)
 
     # --- model, prompts, rewards ---------------------------------------------------------------------------------
-    location = model_location(cfg.model, run.parent)
-    tokenizer = load_tokenizer(location)
-    log_plan(cfg, args, location)
-    torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model)
     rows, record = load_step_prompts(cfg, args)
     record["check"] = startup_check("grpo", prompt_jobs(cfg.grpo.prompts, rows), tokenizer,
@@ -348,26 +299,15 @@ def main(cfg, run: StageRun) -> dict:
     funcs = build_rewards(cfg, run)
     rows, record["screen"] = screen_prompts(rows, cfg.grpo.prompts.screen, model, tokenizer, funcs, args,
                                             template_kwargs)
-    table_path = run.out_dir / COMPLETIONS
-    resume = last_checkpoint(run)
-    if training.is_main_process():
-        if not resume:
-            table_path.unlink(missing_ok=True)  # a fresh start owns the table
-        elif dropped := cut_step_rows(table_path, checkpoint_step(resume)):
-            log.info("grpo: dropped %d completions the killed attempt scored after %s", dropped, resume)
-    table = RewardTable(funcs, args.num_generations, scale_name(args.scale_rewards), table_path)
-    args.reward_weights = [w for _, w in funcs.values()]
-    sampling = cfg.grpo.sampling
-    log.info("grpo: %d prompts x %d generations; rewards %s; roll-outs by %s; dynamic sampling %s", len(rows),
-             args.num_generations, {n: w for n, (_, w) in funcs.items()}, backend,
-             "off" if sampling.filter == "none" else f"{sampling.filter} (up to {sampling.max_rounds} rounds a step)")
-    peft_config = training.lora_config(cfg.grpo.lora)
+    table, resume = open_reward_table(run, funcs, args)
+    args.reward_weights = [w for _, w in funcs.values()]  # TRL weights the rewards; the table records the same
+    log_setup(rows, args, funcs, cfg)
 
     # --- train (resumes from the last checkpoint of a killed attempt) ------------------------------------------
-    # TRL applies reward_weights itself; the table weights the same way for its own record.
     moe = MoeRouterCallback()  # MoE models: expert shares per logging step, per-layer balance loss
-    rollout = engine_rollout(tokenizer) if backend == "posttrain" else None
-    trainer_cls = dynamic_sampling_trainer(GRPOTrainer, sampling)  # TRL's own GRPOTrainer with filter none
+    rollout = engine_rollout(tokenizer) if cfg.grpo.rollout.backend == "posttrain" else None
+    trainer_cls = dynamic_sampling_trainer(GRPOTrainer, cfg.grpo.sampling)  # TRL's own GRPOTrainer with filter none
+    peft_config = training.lora_config(cfg.grpo.lora)
     trainer = trainer_cls(model=model, reward_funcs=table.wrapped(), args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[moe], rollout_func=rollout)
     if rollout is not None and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
@@ -376,22 +316,12 @@ def main(cfg, run: StageRun) -> dict:
     training.install_test_hooks(trainer, run)  # no-op unless the recipe's debug.fault names a rank
     StepTimer().attach(trainer)
     train_from_checkpoint(trainer, run, resume)
-    step_seconds = step_split(trainer.state.log_history)
-    log.info("grpo: seconds per step (%d steps): %s", step_seconds.pop("steps", 0),
-             ", ".join(f"{k} {v:.3f}" for k, v in step_seconds.items()))
 
     # --- save ----------------------------------------------------------------------------------------------------
     model = trainer.model
     if peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
         model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model))
-    curve = [{"step": h["step"], "reward": h["reward"], **{k: h[k] for k in h if k.startswith("rewards/")}}
-             for h in trainer.state.log_history if "reward" in h]
-    metrics = {**training.train_metrics(trainer), **moe.metrics(),
-               "reward_curve": curve, "completions_table": COMPLETIONS, "step_seconds": step_seconds,
-               "prompts": len(rows), "rollout_backend": backend, "sampling": sampling_summary(trainer.state.log_history, args.num_generations)}
-    if curve:
-        log.info("grpo: mean reward by logging step: %s",
-                 " ".join(f"{c['step']}:{c['reward']:.2f}" for c in curve))
     reward_model = str(run.inputs.get("reward_model")) if "reward_model" in funcs else None
-    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record], metrics=metrics,
+    return training.finish(run, model, tokenizer, trainer=trainer, datasets=[record],
+                           metrics=trained_metrics(trainer, moe, rows, cfg),
                            extra={"resumed_from": resume, "base_model": str(location), "reward_model": reward_model})

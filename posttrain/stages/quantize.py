@@ -8,7 +8,7 @@ spread), held-out perplexity against the parent, and the round-to-nearest error 
 same weights, so one artifact answers "what would int4 g32 or fp8 have cost". GPTQ and AWQ calibrate int4 / int8
 codes; every other format is round-to-nearest only.
 
-A `fmt: gguf` variant (`main_gguf`) writes one `model.gguf` for llama.cpp instead, in the mix of block types
+A `fmt: gguf` variant (`export_gguf_variant`) writes one `model.gguf` for llama.cpp instead, in the mix of block types
 llama-quantize gives its `gguf_type` (q8_0, q4_0, q4_1, q4_k_m), with the same report.
 """
 
@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from posttrain import training
-from posttrain.artifacts import read_manifest, sha256_json, write_manifest
+from posttrain.artifacts import read_manifest, sha256_json
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.models.likelihood import perplexity
 from posttrain.models.loading import load_gguf_model, load_tokenizer, model_location
@@ -133,77 +133,85 @@ def main(cfg, run: StageRun) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    # --- config ------------------------------------------------------------------------------------------------
+    # --- config: the variant is checked before anything loads ---------------------------------------------------
     training.begin(run)
     block = run.config["quantize"]
     name = block["variant"]
     variant = block["variants"][name]
-    if variant["fmt"] == "gguf":
-        return main_gguf(cfg, run, name, variant)
-    fmt, method, symmetric, group = variant_settings(name, variant)
-
-    # --- model and data ----------------------------------------------------------------------------------------
+    gguf = variant["fmt"] == "gguf"
+    settings = gguf_settings(name, variant) if gguf else variant_settings(name, variant)
     if run.parent is None:
         raise ValueError("the quantize stage needs a parent artifact (parent=<stage dir>)")
-    location = model_location(cfg.model, run.parent)
+
+    # --- the parent, and its perplexity on held-out rows ---------------------------------------------------------
+    location = Path(model_location(cfg.model, run.parent))
     tokenizer = load_tokenizer(location)
     rows, record = load_rows(cfg.data)  # the training part: calibration never sees a held-out row
     held_out = held_out_rows(cfg.data, block["eval_rows"])
-    calib = calibration_ids(tokenizer, rows[: block["calibration_rows"]], block["calibration_length"])
-    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
     ids, masks, _ = tokenize_rows(held_out, tokenizer, "held-out", None, {})
     held_out_ids = list(zip(ids, masks))
+    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
     parent_ppl = perplexity(model, held_out_ids)
     originals = {  # the float weights, to measure each layer's error against (MoE experts included)
         name: w.detach().clone()
         for i, layer in enumerate(decoder_layers(model))
         for name, w in quantization_targets(layer, f"model.layers.{i}").items()
     }
+
+    # --- quantize and export: the returned model holds the weights the artifact will serve -----------------------
+    torch.manual_seed(cfg.seed)
+    if gguf:
+        del model  # llama.cpp's writer reads the parent's files
+        model, metrics = export_gguf_variant(name, settings, location, tokenizer, run)
+    else:
+        calib = calibration_ids(tokenizer, rows[: block["calibration_rows"]], block["calibration_length"])
+        metrics = export_tensor_variant(name, variant, settings, model, tokenizer, calib, originals, block, run)
+        metrics["parent_size_bytes"] = size_on_disk(location)
+    quant_ppl = perplexity(model, held_out_ids)
+
+    # --- report --------------------------------------------------------------------------------------------------
+    metrics.update(perplexity={"parent": parent_ppl, "quantized": quant_ppl, "change": quant_ppl / parent_ppl - 1,
+                               "held_out_rows": len(held_out_ids)},
+                   format_errors=format_error_table(originals), format_errors_rows=error_table_rows(originals))
+    log.info("quantize %s: %.2f MB (parent %.2f MB), %.3f bytes/param, held-out perplexity %.4f -> %.4f (%+.2f%%)",
+             name, metrics["size_bytes"] / 2**20, metrics["parent_size_bytes"] / 2**20, metrics["bytes_per_param"],
+             parent_ppl, quant_ppl, 100 * metrics["perplexity"]["change"])
+    role = "source" if gguf else "calibration"
+    training.write_artifact(run, stage="quantize", datasets=[dict(record, role=role), held_out_record(held_out)],
+                            metrics=metrics, extra={"label": f"{read_parent_label(run.parent)}-{name}", "device": "cpu"})
+    return metrics
+
+
+def export_tensor_variant(name: str, variant, settings: tuple, model, tokenizer, calib, originals: dict, block,
+                          run: StageRun) -> dict:
+    """Round-to-nearest, GPTQ or AWQ on `model` in place (it then holds the dequantized weights), exported to
+    model/ in the format's layout; the variant's metrics (sizes, bytes per parameter, layer errors)."""
+    fmt, method, symmetric, group = settings
     log.info("quantize %s: %s %s%s on %d calibration sequences of %d tokens", name, method, fmt,
              f" g{group}" if group else "", calib.shape[0], calib.shape[1])
-
-    # --- quantize ----------------------------------------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
     module_formats = dict(variant.get("module_formats") or {})
     quantized = quantize_model(model, method, fmt, group, symmetric, None if method == "rtn" else calib,
                                damp=block["damp"], act_order=variant["act_order"], module_formats=module_formats)
-    quant_ppl = perplexity(model, held_out_ids)  # the model now holds the dequantized weights
-
-    # --- export: from the in-memory model, which carries AWQ's folded scales in its norms ----------------------
+    # from the in-memory model, which carries AWQ's folded scales in its norms
     with tempfile.TemporaryDirectory(dir=run.out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         export_quantized(tmp, quantized, run.model_dir, fmt, group_size=group, symmetric=symmetric, method=method)
-
-    # --- report ------------------------------------------------------------------------------------------------
     errors = layer_errors(originals, quantized) if method != "awq" else []
     n_quant = sum(q.shape[0] * q.shape[1] for q in quantized.values())
-    metrics = {
+    return {
         "variant": name, "fmt": fmt, "method": method, "group_size": group, "symmetric": symmetric,
         "act_order": variant["act_order"], "damp": block["damp"], "module_formats": module_formats,
         "label": format_label(fmt, group, symmetric) + ("" if method == "rtn" else f" {method}")
         + "".join(f", {projection} {f}" for projection, f in sorted(module_formats.items())),
         "size_bytes": size_on_disk(run.model_dir),
-        "parent_size_bytes": size_on_disk(location),
         "bytes_per_param": sum(bytes_per_param(q, scale_bytes=4) * q.shape[0] * q.shape[1]
                                for q in quantized.values()) / n_quant,
         "quantized_params": n_quant,
-        "perplexity": {"parent": parent_ppl, "quantized": quant_ppl, "change": quant_ppl / parent_ppl - 1,
-                       "held_out_rows": len(held_out_ids)},
         "layer_errors": errors,
         "mean_of_spread": sum(e["of_spread"] for e in errors) / len(errors) if errors else None,
-        "format_errors": format_error_table(originals), "format_errors_rows": error_table_rows(originals),
         "calibration": {"sequences": int(calib.shape[0]), "length": int(calib.shape[1])} if method != "rtn" else None,
     }
-    log.info("quantize %s: %.2f MB (parent %.2f MB), %.3f bytes/param, held-out perplexity %.4f -> %.4f (%+.2f%%)",
-             name, metrics["size_bytes"] / 2**20, metrics["parent_size_bytes"] / 2**20, metrics["bytes_per_param"],
-             parent_ppl, quant_ppl, 100 * metrics["perplexity"]["change"])
-    parent_label = read_parent_label(run.parent)
-    write_manifest(run.out_dir, stage="quantize", parent=run.parent, config=run.config, config_hash=run.config_hash,
-                   datasets=[dict(record, role="calibration"), held_out_record(held_out)], metrics=metrics,
-                   started_at=run.started_at, extra={"label": f"{parent_label}-{name}", "device": "cpu"})
-    shutil.rmtree(run.checkpoints, ignore_errors=True)
-    return metrics
 
 
 def held_out_rows(data_cfg, n: int) -> list[dict]:
@@ -245,63 +253,39 @@ def write_model_dir(location: Path, tokenizer, out_dir: Path, gguf_type: str) ->
     return records
 
 
-def main_gguf(cfg, run: StageRun, name: str, variant: dict) -> dict:
-    """A `fmt: gguf` variant: the parent's float weights -> model/model.gguf for llama.cpp (`gguf_type` picks
-    llama.cpp's mix of block types), beside the parent's config and tokenizer: our server renders prompts with
-    them and serves the file's weights dequantized, `serve.backend=llamacpp` hands the file to llama.cpp's server.
-    The manifest reports what the other variants report, read back through transformers' `gguf_file=` loader."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    block = run.config["quantize"]
+def gguf_settings(name: str, variant) -> str:
+    """The llama.cpp block-type mix of a `fmt: gguf` variant, checked."""
     gguf_type = variant.get("gguf_type")
     if gguf_type not in GGUF_FORMATS:
         raise ValueError(f"quantize.variants.{name}.gguf_type={gguf_type!r}: expected one of {sorted(GGUF_FORMATS)}")
     if variant.get("method", "rtn") != "rtn":
         raise ValueError(f"quantize.variants.{name}: GGUF block types are round-to-nearest here (method: rtn)")
-    if run.parent is None:
-        raise ValueError("the quantize stage needs a parent artifact (parent=<stage dir>)")
-    location = Path(model_location(cfg.model, run.parent))
-    tokenizer = load_tokenizer(location)
-    model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32).eval()
-    rows, record = load_rows(cfg.data)
-    held_out = held_out_rows(cfg.data, block["eval_rows"])
-    ids, masks, _ = tokenize_rows(held_out, tokenizer, "held-out", None, {})
-    held_out_ids = list(zip(ids, masks))
-    parent_ppl = perplexity(model, held_out_ids)
-    originals = {name: w.detach().clone() for i, layer in enumerate(decoder_layers(model))
-                 for name, w in quantization_targets(layer, f"model.layers.{i}").items()}
-    del model
+    return gguf_type
+
+
+def export_gguf_variant(name: str, gguf_type: str, location: Path, tokenizer, run: StageRun):
+    """A `fmt: gguf` variant: the parent's float weights -> model/model.gguf for llama.cpp (`gguf_type` picks
+    llama.cpp's mix of block types), beside the parent's config and tokenizer: our server renders prompts with
+    them and serves the file's weights dequantized, `serve.backend=llamacpp` hands the file to llama.cpp's server.
+    Returns the file read back through transformers' `gguf_file=` loader, and the variant's metrics."""
+    import torch
+
     log.info("quantize %s: GGUF %s from %s", name, gguf_type, location)
-
     records = write_model_dir(location, tokenizer, run.model_dir, gguf_type)
-    quant_model = load_gguf_model(run.model_dir / GGUF_NAME, torch.float32).eval()
-    quant_ppl = perplexity(quant_model, held_out_ids)
-
     decoder = [r for r in records if r["name"].startswith("blk.") and "rel_error" in r]
     n_params = sum(r["params"] for r in decoder)
-    size = (run.model_dir / GGUF_NAME).stat().st_size
-    parent_size = sum(p.stat().st_size for p in location.glob("*.safetensors"))
+    block_types = dict(Counter(r["type"] for r in records if "rel_error" in r))
+    log.info("quantize %s: block types %s", name, block_types)
     metrics = {
         "variant": name, "fmt": "gguf", "gguf_type": gguf_type, "method": "rtn", "group_size": None,
         "symmetric": None, "label": f"gguf {gguf_type}",
-        "size_bytes": size, "parent_size_bytes": parent_size,
+        "size_bytes": (run.model_dir / GGUF_NAME).stat().st_size,
+        "parent_size_bytes": sum(p.stat().st_size for p in location.glob("*.safetensors")),
         "bytes_per_param": sum(r["bytes"] for r in decoder) / n_params,
         "quantized_params": n_params,
-        "block_types": dict(Counter(r["type"] for r in records if "rel_error" in r)),
-        "perplexity": {"parent": parent_ppl, "quantized": quant_ppl, "change": quant_ppl / parent_ppl - 1,
-                       "held_out_rows": len(held_out_ids)},
+        "block_types": block_types,
         "layer_errors": [{k: r[k] for k in ("name", "type", "rel_error", "of_spread", "max_abs")} for r in decoder],
         "mean_of_spread": sum(r["of_spread"] * r["params"] for r in decoder) / n_params,
-        "format_errors": format_error_table(originals), "format_errors_rows": error_table_rows(originals),
         "calibration": None,
     }
-    log.info("quantize %s: %.2f MB (parent %.2f MB), %.3f bytes/param, %s, held-out perplexity %.4f -> %.4f (%+.2f%%)",
-             name, size / 2**20, parent_size / 2**20, metrics["bytes_per_param"], metrics["block_types"],
-             parent_ppl, quant_ppl, 100 * metrics["perplexity"]["change"])
-    write_manifest(run.out_dir, stage="quantize", parent=run.parent, config=run.config, config_hash=run.config_hash,
-                   datasets=[dict(record, role="source"), held_out_record(held_out)], metrics=metrics,
-                   started_at=run.started_at,
-                   extra={"label": f"{read_parent_label(run.parent)}-{name}", "device": "cpu"})
-    shutil.rmtree(run.checkpoints, ignore_errors=True)
-    return metrics
+    return load_gguf_model(run.model_dir / GGUF_NAME, torch.float32).eval(), metrics

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 
 from posttrain import sharding, training
-from posttrain.artifacts import sha256_json
-from posttrain.data.preferences import load_pairs
+from posttrain.data.preferences import load_pair_split
 from posttrain.data.startup import pair_jobs, startup_check
 from posttrain.models.freezing import freeze_below_top_layers
-from posttrain.models.loading import load_tokenizer, model_location, torch_dtype
+from posttrain.models.loading import torch_dtype
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
 from posttrain.resume import train_from_checkpoint
@@ -59,22 +58,13 @@ def load_scoring_model(location, model_cfg, tokenizer):
 
 
 def main(cfg, run: StageRun) -> dict:
-    import torch
     from datasets import Dataset
     from trl import RewardTrainer
 
     # --- config ------------------------------------------------------------------------------------------------
-    training.begin(run)
-    args = training.trl_args("RewardConfig", cfg.reward_model.trainer, run, cfg.tracking, cfg.seed)
+    args, location, tokenizer = training.open_stage(cfg, run, "RewardConfig")
 
     # --- model: the parent's weights under a fresh one-output head -----------------------------------------------
-    location = model_location(cfg.model, run.parent)
-    tokenizer = load_tokenizer(location)
-    training.log_capacity_plan("reward_model", location,
-                               method="lora" if cfg.reward_model.lora is not None else "full",
-                               seq_len=args.max_length, micro_batch=args.per_device_train_batch_size,
-                               lora_rank=cfg.reward_model.lora.get("r") if cfg.reward_model.lora is not None else None)
-    torch.manual_seed(cfg.seed)
     model = load_scoring_model(location, cfg.model, tokenizer)
     frozen = None
     if cfg.reward_model.train_top_layers is not None:
@@ -85,10 +75,7 @@ def main(cfg, run: StageRun) -> dict:
     peft_config = training.lora_config(cfg.reward_model.lora, task_type="SEQ_CLS")
 
     # --- data ----------------------------------------------------------------------------------------------------
-    train_pairs, held_out, record = load_pairs(cfg.reward_model.pairs, cfg.data.seed)
-    record = {**record, "rows": len(train_pairs), "held_out": len(held_out),
-              "content_sha256": sha256_json([[p["prompt"], p["chosen"], p["rejected"]] for p in train_pairs])}
-    log.info("reward_model: %d training pairs, %d held out (%s)", len(train_pairs), len(held_out), record["id"])
+    train_pairs, held_out, record = load_pair_split("reward_model", cfg.reward_model.pairs, cfg.data.seed)
     record["check"] = startup_check("reward_model", pair_jobs(cfg.reward_model.pairs, train_pairs), tokenizer,
                                     args.max_length, None, cfg.get("eval"), cfg.data.seed)
     columns = ("prompt", "chosen", "rejected")

@@ -15,7 +15,7 @@ from posttrain.data.startup import sft_jobs, startup_check
 from posttrain.models.freezing import freeze_below_top_layers
 from posttrain.models.likelihood import perplexity
 from posttrain.models.lm_head import use_compact_lm_heads
-from posttrain.models.loading import load_model, load_tokenizer, model_location
+from posttrain.models.loading import load_model
 from posttrain.moe import MoeRouterCallback
 from posttrain.training import StageRun
 from posttrain.resume import train_from_checkpoint
@@ -24,23 +24,14 @@ log = logging.getLogger("posttrain")
 
 
 def main(cfg, run: StageRun) -> dict:
-    import torch
     from datasets import Dataset
     from trl import SFTTrainer
 
     # --- config ------------------------------------------------------------------------------------------------
-    training.begin(run)
-    args = training.trl_args("SFTConfig", cfg.sft.trainer, run, cfg.tracking, cfg.seed)
+    args, location, tokenizer = training.open_stage(cfg, run, "SFTConfig")
     template_kwargs = dict(cfg.sft.chat_template_kwargs)
 
     # --- model -------------------------------------------------------------------------------------------------
-    location = model_location(cfg.model, run.parent)
-    tokenizer = load_tokenizer(location)
-    method = "qlora" if cfg.sft.qlora else ("lora" if cfg.sft.lora is not None else "full")
-    training.log_capacity_plan("sft", location, method=method, seq_len=args.max_length,
-                               micro_batch=args.per_device_train_batch_size,
-                               lora_rank=cfg.sft.lora.get("r") if cfg.sft.lora is not None else None)
-    torch.manual_seed(cfg.seed)
     model = load_model(location, cfg.model, load_in_4bit=cfg.sft.qlora)
     peft_config = trained_part(cfg.sft, model)
 
@@ -48,13 +39,7 @@ def main(cfg, run: StageRun) -> dict:
     rows, record = load_rows(cfg.data)
     record["check"] = startup_check("sft", sft_jobs(cfg.data, rows), tokenizer, args.max_length, template_kwargs,
                                     cfg.get("eval"), cfg.data.seed)
-    ids, masks, dropped = tokenize_rows(rows, tokenizer, record["id"], args.max_length, template_kwargs)
-    n_tokens, n_trained = sum(map(len, ids)), sum(map(sum, masks))
-    trained_fraction = n_trained / n_tokens
-    log.info(
-        "sft: %d rows (%d dropped: no assistant token within max_length), %d tokens, %.1f%% trained on",
-        len(ids), dropped, n_tokens, 100 * trained_fraction,
-    )
+    ids, masks, counts = training_tokens(rows, tokenizer, record["id"], args.max_length, template_kwargs)
     dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
     held_out = HeldOutPerplexity.measure_parent(cfg.data, model, tokenizer, template_kwargs)
 
@@ -69,26 +54,9 @@ def main(cfg, run: StageRun) -> dict:
     resume = train_from_checkpoint(trainer, run)
 
     # --- save: LoRA adapters are merged, so the artifact is a plain model directory ----------------------------
-    model = trainer.model
-    if cfg.sft.qlora:  # merge into full-precision weights, not into the 4-bit ones
-        from peft import PeftModel
-
-        require_trained_adapters(model)
-        training.save_adapter(model, run)  # rank 0 writes, every rank may read
-        model = PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter").merge_and_unload()
-    elif peft_config is not None:  # sharded (FSDP, ZeRO-3): the merged model exists on rank 0 only
-        model = sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter",
-                                    check=require_trained_adapters)
+    model = merged_model(cfg, trainer, location, run) if peft_config is not None else trainer.model
     held_out_metrics = held_out.after(model) if held_out is not None and model is not None else {}
-    metrics = {
-        **training.train_metrics(trainer),
-        **moe.metrics(),
-        **held_out_metrics,
-        "rows": len(ids),
-        "rows_dropped_by_max_length": dropped,
-        "tokens": n_tokens,
-        "assistant_token_fraction": trained_fraction,
-    }
+    metrics = {**training.train_metrics(trainer), **moe.metrics(), **held_out_metrics, **counts}
     datasets = [record] + ([held_out.record] if held_out is not None else [])
     return training.finish(run, model, tokenizer, trainer=trainer, datasets=datasets, metrics=metrics,
                            extra={"resumed_from": resume, "base_model": str(location)})
@@ -103,6 +71,31 @@ def trained_part(sft_cfg, model):
                  frozen["trained_layers"], frozen["layers"], f"{frozen['trainable_params']:,}",
                  f"{frozen['trainable_params'] + frozen['frozen_params']:,}")
     return training.lora_config(sft_cfg.lora)
+
+
+def training_tokens(rows: list[dict], tokenizer, source: str, max_length: int | None, template_kwargs: dict):
+    """The rows rendered and masked (input ids, assistant masks), and the manifest's counts of them, logged."""
+    ids, masks, dropped = tokenize_rows(rows, tokenizer, source, max_length, template_kwargs)
+    n_tokens, n_trained = sum(map(len, ids)), sum(map(sum, masks))
+    counts = {"rows": len(ids), "rows_dropped_by_max_length": dropped, "tokens": n_tokens,
+              "assistant_token_fraction": n_trained / n_tokens}
+    log.info("sft: %d rows (%d dropped: no assistant token within max_length), %d tokens, %.1f%% trained on",
+             len(ids), dropped, n_tokens, 100 * counts["assistant_token_fraction"])
+    return ids, masks, counts
+
+
+def merged_model(cfg, trainer, location, run: StageRun):
+    """The trained LoRA adapters merged into the parent's weights: QLoRA's into full-precision weights (not the
+    4-bit ones it trained against), the adapters saved beside the model either way. Sharded (FSDP, ZeRO-3): the
+    merged model exists on rank 0 only, the other ranks get None."""
+    if not cfg.sft.qlora:
+        return sharding.merge_lora(trainer, lambda: load_model(location, cfg.model), run.out_dir / "adapter",
+                                   check=require_trained_adapters)
+    from peft import PeftModel
+
+    require_trained_adapters(trainer.model)
+    training.save_adapter(trainer.model, run)  # rank 0 writes, every rank may read
+    return PeftModel.from_pretrained(load_model(location, cfg.model), run.out_dir / "adapter").merge_and_unload()
 
 
 def require_trained_adapters(model) -> None:

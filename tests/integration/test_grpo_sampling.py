@@ -13,7 +13,8 @@ import torch
 
 from posttrain.grpo_sampling import dynamic_sampling_trainer, informative_groups
 from posttrain.resume import train_from_checkpoint
-from posttrain.stages.grpo import RewardTable, StepTimer, sampling_summary, step_split
+from posttrain.grpo_record import StepTimer, sampling_summary, step_split
+from posttrain.stages.grpo import RewardTable
 
 GROUP = 4
 
