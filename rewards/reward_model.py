@@ -14,8 +14,14 @@ from posttrain.artifacts import verify_artifact
 class RewardModelScorer:
     """Callable with TRL's reward signature: `scorer(prompts=..., completions=...) -> list[float]`.
 
-    >>> RewardModelScorer.__name__
-    'RewardModelScorer'
+    TRL names the reward's logged metrics (`rewards/reward_model/mean`) after the instance's `__name__`:
+
+    >>> RewardModelScorer.__dict__["__name__"]
+    'reward_model'
+    >>> RewardModelScorer()
+    Traceback (most recent call last):
+    ...
+    ValueError: RewardModelScorer needs a path (artifact or model directory) or a loaded model
     """
 
     __name__ = "reward_model"  # TRL names a reward's logged metrics after it
