@@ -41,6 +41,13 @@ USAGE = __doc__
 # Loggers whose INFO / WARNING lines say nothing a user can act on: bitsandbytes warns at import, on CPUs with
 # AVX512-BF16, that the optional `kernels` package (a faster 4-bit CPU kernel) is missing.
 QUIET_LOGGERS = {"bitsandbytes.backends.cpu.ops": logging.ERROR}
+# The extra (pyproject.toml's optional-dependencies) that installs each optional top-level module: a command that
+# reaches one on an install without it stops with the pip line that adds it, not a traceback.
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "uvloop": "serve", "httptools": "serve",
+          "prometheus_client": "serve", "openai": "serve", "deepspeed": "deepspeed", "wandb": "wandb", "gguf": "gguf",
+          "compressed_tensors": "quant", "matplotlib": "report", "if_verifiable": "ifeval", "nltk": "ifeval",
+          "langdetect": "ifeval", "immutabledict": "ifeval", "bitsandbytes": "gpu", "triton": "gpu",
+          "lm_eval": "lmeval"}
 
 
 def setup_logging() -> None:
@@ -53,7 +60,18 @@ def setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+    except ModuleNotFoundError as err:
+        extra = EXTRAS.get((err.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"posttrain: error: this needs {err.name}, which the `{extra}` extra installs: "
+              f"pip install 'posttrain[{extra}]' (or 'posttrain[all]')", file=sys.stderr)
+        return 2
+
+
+def run_command(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
     if not argv or argv[0] in ("-h", "--help", "help"):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from posttrain.data.tiny_world import eval_rows  # noqa: E402  (after the checkout is on the path)
 from posttrain.serve.gguf_check import greedy_agreement  # noqa: E402
-from posttrain.quant.gguf_export import gguf_file  # noqa: E402
+from posttrain.quant.gguf_names import gguf_file  # noqa: E402
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from posttrain.evaluation.tool_loop import tool_figures, tool_loop_replies
 from posttrain.evaluation.suites import build_suite, render_ifeval_types
 from posttrain.models.likelihood import render_shift
 from posttrain.models.loading import load_tokenizer
-from posttrain.quant.gguf_export import gguf_file
+from posttrain.quant.gguf_names import gguf_file
 from posttrain.registry import checkpoint_label, is_generator
 from posttrain.serve.server import background_server
 

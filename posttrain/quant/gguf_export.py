@@ -56,13 +56,6 @@ ARCHITECTURES = {"Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "LlamaForCausalLM": 
 # When a row length is not a multiple of a block type's block, llama-quantize falls back to this type.
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}
 OWN_ENCODERS = {Q.Q4_K: k_quants.quantize_q4_k, Q.Q6_K: k_quants.quantize_q6_k}
-GGUF_NAME = "model.gguf"  # the file in a model directory the quantize stage's GGUF variants write
-
-
-def gguf_file(model_dir: str | Path) -> Path | None:
-    """The GGUF file of a model directory the GGUF variants wrote, or None for any other directory."""
-    path = Path(model_dir) / GGUF_NAME
-    return path if path.is_file() else None
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from posttrain.models.loading import load_gguf_model, load_tokenizer, torch_dtype
 from posttrain.quant.export_read import load_quantized
-from posttrain.quant.gguf_export import gguf_file
+from posttrain.quant.gguf_names import gguf_file
 from posttrain.quant.linear import swap_linears
 from posttrain.serve.model import ModelArgs, Transformer, rope_inv_freq
 # SamplingParams: the engine's callers take it from here too

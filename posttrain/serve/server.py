@@ -40,7 +40,7 @@ from pathlib import Path
 from posttrain.artifacts import read_manifest, verify_artifact
 from posttrain.config_schema import ServeCfg
 from posttrain.models.loading import check_model_reachable
-from posttrain.quant.gguf_export import GGUF_NAME, gguf_file
+from posttrain.quant.gguf_names import GGUF_NAME, gguf_file
 from posttrain.registry import checkpoint_label
 
 log = logging.getLogger("posttrain")

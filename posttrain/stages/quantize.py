@@ -22,6 +22,7 @@ from pathlib import Path
 
 from posttrain import training
 from posttrain.artifacts import read_manifest, sha256_json
+from posttrain.config_schema import GGUF_TYPES
 from posttrain.data.chat_rows import load_rows, tokenize_rows
 from posttrain.models.likelihood import perplexity
 from posttrain.models.loading import load_gguf_model, load_tokenizer, model_location
@@ -29,7 +30,7 @@ from posttrain.quant.calibrate import check_module_formats, decoder_layers, quan
 from posttrain.quant.export import export_quantized
 from posttrain.quant.export_read import size_on_disk
 from posttrain.quant.formats import GROUPED_FORMATS, bytes_per_param, quantize_weight, resolve_group_size, weight_error
-from posttrain.quant.gguf_export import GGUF_FORMATS, GGUF_NAME, export_gguf
+from posttrain.quant.gguf_names import GGUF_NAME
 from posttrain.registry import checkpoint_label
 from posttrain.training import StageRun
 
@@ -238,6 +239,8 @@ SIDE_FILES = ("config.json", "generation_config.json")
 
 def write_model_dir(location: Path, tokenizer, out_dir: Path, gguf_type: str) -> list[dict]:
     """model.gguf plus the parent's config and tokenizer into a temporary sibling, renamed to `out_dir` when done."""
+    from posttrain.quant.gguf_export import export_gguf  # the `gguf` extra
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:
@@ -256,8 +259,8 @@ def write_model_dir(location: Path, tokenizer, out_dir: Path, gguf_type: str) ->
 def gguf_settings(name: str, variant) -> str:
     """The llama.cpp block-type mix of a `fmt: gguf` variant, checked."""
     gguf_type = variant.get("gguf_type")
-    if gguf_type not in GGUF_FORMATS:
-        raise ValueError(f"quantize.variants.{name}.gguf_type={gguf_type!r}: expected one of {sorted(GGUF_FORMATS)}")
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"quantize.variants.{name}.gguf_type={gguf_type!r}: expected one of {sorted(GGUF_TYPES)}")
     if variant.get("method", "rtn") != "rtn":
         raise ValueError(f"quantize.variants.{name}: GGUF block types are round-to-nearest here (method: rtn)")
     return gguf_type
